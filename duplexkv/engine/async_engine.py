@@ -1,0 +1,166 @@
+"""The engine on its own thread, with an asyncio front for the HTTP server.
+
+One thread runs the step loop; request coroutines talk to it through a command queue and get
+their outputs back on per-request asyncio queues. Hooks let the KV-transfer layer run its
+polling inside the same loop (`on_idle_poll`) and act on finished sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from duplexkv.engine.llm_engine import LLMEngine, RequestOutput
+from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    extra: object | None
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[], object]
+    done: "asyncio.Future | None"
+    loop: asyncio.AbstractEventLoop | None
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._stop = threading.Event()
+        self.dead: str | None = None
+        # hooks for the transfer layer, run on the engine thread
+        self.on_add: Callable[[Sequence, object], None] | None = None
+        self.before_step: Callable[[], list[RequestOutput]] | None = None
+        self.poll_timeout: Callable[[], float | None] = lambda: None  # None: sleep until a command
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._cmds.put(None)
+        self._thread.join(timeout=10)
+
+    # front (event loop side)
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       extra: object | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream outputs; `extra` (e.g. kv_transfer_params) goes to the `on_add` hook."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        self.engine.check_request(len(prompt_ids), params)
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._cmds.put(_Add(request_id, prompt_ids, params, extra))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._cmds.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[[], object]) -> object:
+        """Run `fn` on the engine thread (to read or change engine state safely)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._cmds.put(_Call(fn, fut, loop))
+        return await fut
+
+    def call_soon(self, fn: Callable[[], object]) -> None:
+        self._cmds.put(_Call(fn, None, None))
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(_Abort(request_id))
+
+    # engine thread
+    def _deliver(self, request_id: str, item) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _handle(self, cmd) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                seq = self.engine.add_request(cmd.prompt_ids, cmd.params, cmd.request_id)
+            except Exception as e:  # rejected: tell the caller
+                self._deliver(cmd.request_id, e)
+                return
+            if self.on_add is not None and cmd.extra is not None:
+                try:
+                    self.on_add(seq, cmd.extra)
+                except Exception as e:
+                    log.exception("kv transfer setup failed for %s", cmd.request_id)
+                    self.engine.abort(cmd.request_id)
+                    self._deliver(cmd.request_id, e)
+        elif isinstance(cmd, _Abort):
+            self.engine.abort(cmd.request_id)
+        elif isinstance(cmd, _Call):
+            try:
+                res, exc = cmd.fn(), None
+            except Exception as e:
+                res, exc = None, e
+            if cmd.done is not None:
+                fut = cmd.done
+                cmd.loop.call_soon_threadsafe(
+                    lambda: fut.done() or (fut.set_exception(exc) if exc else fut.set_result(res)))
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    timeout = self.poll_timeout()
+                    if self.engine.has_work():
+                        cmd = self._cmds.get_nowait()
+                    elif timeout is not None:
+                        cmd = self._cmds.get(timeout=timeout)
+                    else:
+                        cmd = self._cmds.get()
+                    while cmd is not None or not self._cmds.empty():
+                        if cmd is not None:
+                            self._handle(cmd)
+                        cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    pass
+                if self.before_step is not None:
+                    for out in self.before_step():
+                        self._deliver(out.request_id, out)
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # the engine is broken: fail everyone, loudly
+            log.exception("engine thread died")
+            self.dead = f"engine failed: {e!r}"
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(self.dead))

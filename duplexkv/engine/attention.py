@@ -1,0 +1,99 @@
+"""Attention over the paged KV pool, on the CPU.
+
+The pool is one tensor [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]: block b holds
+K and V of `block_size` consecutive positions for every layer. A step's tokens are flattened
+(all sequences back to back); per sequence the layer writes the new K/V into its slots, then
+attends with `scaled_dot_product_attention`:
+
+    seq tokens     0 ........ start-1 | start ...... start+n-1
+                   already in pool    | new this step (queries)
+    fresh prefill (start == 0): attend over the new K/V with is_causal (no gather)
+    otherwise: gather the sequence's blocks, mask query i to keys <= start + i (lower-right causal)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class SeqAttn:
+    q_start: int  # row of the sequence's first new token in the flattened batch
+    num_new: int
+    start: int  # tokens already in the pool before this step
+    block_table: torch.Tensor  # int64 block ids covering start + num_new tokens
+    mask: torch.Tensor | None  # [num_new, start + num_new] bool, when needed
+
+    @property
+    def ctx_len(self) -> int:
+        return self.start + self.num_new
+
+
+@dataclass(slots=True)
+class AttnContext:
+    seqs: list[SeqAttn]
+    slot_blocks: torch.Tensor  # [T] block id of each new token
+    slot_offsets: torch.Tensor  # [T] offset inside its block
+
+
+_CTX: AttnContext | None = None
+
+
+def set_context(ctx: AttnContext) -> None:
+    global _CTX
+    _CTX = ctx
+
+
+def get_context() -> AttnContext:
+    assert _CTX is not None, "attention called outside a model step"
+    return _CTX
+
+
+def reset_context() -> None:
+    global _CTX
+    _CTX = None
+
+
+def build_seq_attn(q_start: int, num_new: int, start: int, block_ids: list[int],
+                   block_size: int) -> SeqAttn:
+    ctx_len = start + num_new
+    table = torch.tensor(block_ids[: -(-ctx_len // block_size)], dtype=torch.long)
+    mask = None
+    if start > 0 and num_new > 1:
+        mask = torch.ones(num_new, ctx_len, dtype=torch.bool).tril(start)
+    return SeqAttn(q_start, num_new, start, table, mask)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
+                    layer: int, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] for this step's tokens -> output [T, H, D]."""
+    ctx = get_context()
+    pool[ctx.slot_blocks, layer, 0, ctx.slot_offsets] = k
+    pool[ctx.slot_blocks, layer, 1, ctx.slot_offsets] = v
+    num_kv = k.shape[1]
+    group = q.shape[1] // num_kv
+    out = torch.empty_like(q)
+    for s in ctx.seqs:
+        rows = slice(s.q_start, s.q_start + s.num_new)
+        if s.start == 0:
+            sk, sv = k[rows], v[rows]
+        else:
+            kv = pool[s.block_table, layer]  # [nb, 2, bs, KVH, D]
+            kv = kv.transpose(0, 1).reshape(2, -1, num_kv, kv.shape[-1])[:, : s.ctx_len]
+            sk, sv = kv[0], kv[1]
+        sk, sv = sk.transpose(0, 1), sv.transpose(0, 1)  # [KVH, S, D]
+        if s.num_new == 1:
+            # one query: fold the query heads of a KV group into the query-length axis
+            qh = q[rows].view(num_kv, group, -1)
+            o = F.scaled_dot_product_attention(qh, sk, sv, scale=scale)
+            out[rows] = o.reshape(1, -1, o.shape[-1])
+        else:
+            qh = q[rows].transpose(0, 1)  # [H, n, D]
+            o = F.scaled_dot_product_attention(
+                qh, sk, sv, attn_mask=s.mask, is_causal=s.mask is None, scale=scale,
+                enable_gqa=group > 1)
+            out[rows] = o.transpose(0, 1)
+    return out

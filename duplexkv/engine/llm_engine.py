@@ -1,0 +1,252 @@
+"""The engine: requests in, one `step()` at a time (schedule -> run -> sample -> postprocess)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from duplexkv.config import EngineConfig
+from duplexkv.engine.block_manager import BlockManager
+from duplexkv.engine.kv_pool import DTYPE, block_bytes, num_blocks_for
+from duplexkv.engine.model_runner import ModelRunner
+from duplexkv.engine.sampler import make_generator, sample
+from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.engine.scheduler import Scheduler
+from duplexkv.engine.sequence import KVStats, Sequence
+from duplexkv.model.loader import load_config, load_weights
+from duplexkv.model.registry import resolve_model
+from duplexkv.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+Prompt = str | list[int] | list[dict]
+
+
+class RequestRejected(ValueError):
+    """The request can never be served as asked (too long, bad parameters); say why."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all generated so far
+    text: str  # generated text so far (stop strings removed)
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    kv_stats: KVStats | None = None
+    kv_transfer_params: dict | None = None  # set by the transfer layer on the final output
+    error: str | None = None  # with finish_reason "error"
+
+
+@dataclass(slots=True)
+class _ReqState:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    emitted_chars: int = 0  # text already returned as new_text
+    text: str = ""
+    sent_tokens: int = 0
+
+
+def model_fingerprint(model_dir: Path, dtype: str, block_size: int) -> bytes:
+    """Seed of the block hash chain: same model files + dtype + layout => same hashes."""
+    h = hashlib.sha256()
+    h.update((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 16))
+    h.update(f"{dtype}/{block_size}".encode())
+    return h.digest()[:16]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        model_dir = resolve_model(config.model)
+        mc = load_config(model_dir)
+        max_len = config.max_model_len or mc.max_position_embeddings
+        if max_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's "
+                             f"max_position_embeddings {mc.max_position_embeddings}")
+        self.config = replace(config, max_model_len=max_len)
+        self.model_dir, self.model_config = model_dir, mc
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        dtype = DTYPE[config.dtype]
+        num_blocks = num_blocks_for(mc, config.block_size, dtype, config.num_kv_blocks,
+                                    config.kv_cache_memory_gib)
+        self.block_bytes = block_bytes(mc, config.block_size, dtype)
+        self.runner = ModelRunner(mc, load_weights(model_dir, mc, dtype), config.dtype,
+                                  config.block_size, num_blocks)
+        self.fingerprint = model_fingerprint(model_dir, config.dtype, config.block_size)
+        self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                               self.fingerprint)
+        self.scheduler = Scheduler(self.bm, config.max_num_batched_tokens, config.max_num_seqs)
+        self.requests: dict[str, _ReqState] = {}
+        self._next_id = 0
+        # hooks for the KV-transfer layer (engine thread)
+        self.finish_hook: Callable[[Sequence, str], dict | None] | None = None
+        self.abort_hook: Callable[[Sequence], None] | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len  # type: ignore[return-value]
+
+    # requests
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt))
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                            for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise RequestRejected(f"token id {bad[0]} is outside the vocabulary "
+                                      f"[0, {self.model_config.vocab_size})")
+            return list(prompt)
+        raise RequestRejected("prompt must be a string, a list of token ids or chat messages")
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Reject what could never be served, with the reason and the limit."""
+        if num_prompt_tokens == 0:
+            raise RequestRejected("the prompt is empty")
+        total = num_prompt_tokens + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({num_prompt_tokens} in the prompt, "
+                f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.")
+        if self.bm.blocks_needed(total) > self.bm.num_blocks:
+            raise RequestRejected(
+                f"the request needs {self.bm.blocks_needed(total)} KV blocks ({total} tokens) but "
+                f"the KV pool has only {self.bm.num_blocks}; raise --num-kv-blocks or "
+                f"--kv-cache-memory")
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        params = params or SamplingParams()
+        params.validate()
+        ids = self.tokenize(prompt)
+        self.check_request(len(ids), params)
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, self.config.block_size)
+        self.requests[request_id] = _ReqState(seq, IncrementalDetokenizer(self.tokenizer),
+                                              make_generator(params))
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        st = self.requests.pop(request_id, None)
+        if st is not None and not st.seq.is_finished:
+            if self.abort_hook is not None:
+                self.abort_hook(st.seq)
+            self.scheduler.finish(st.seq, "abort")
+
+    def fail_request(self, request_id: str, message: str) -> RequestOutput | None:
+        """End a request with finish_reason "error" (e.g. a KV load failed under policy fail)."""
+        st = self.requests.pop(request_id, None)
+        if st is None:
+            return None
+        seq = st.seq
+        seq.error = message
+        self.scheduler.finish(seq, "error")
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
+                             st.text, [], "", True, "error", seq.stats, None, message)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def has_work(self) -> bool:
+        """Something can be scheduled now (parked sequences wait for their transfer)."""
+        return self.scheduler.has_work
+
+    # the step
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        t0 = time.perf_counter()
+        logits = self.runner.run(batch)
+        dt_ms = (time.perf_counter() - t0) * 1e3
+        sampling = [item for item in batch if item.samples]
+        for item in batch:
+            seq = item.seq
+            if seq.in_prefill:
+                seq.stats.prefill_ms += dt_ms
+                seq.stats.computed_tokens += min(item.num_new_tokens,
+                                                 seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += item.num_new_tokens
+            self.bm.cache_blocks(seq)
+        outputs = []
+        if logits is not None:
+            states = [self.requests[item.seq.request_id] for item in sampling]
+            self._mask_logits(logits, states)
+            tokens = sample(logits, [s.seq.params for s in states], [s.generator for s in states])
+            for st, tok in zip(states, tokens):
+                outputs.append(self._append_token(st, tok))
+        return outputs
+
+    def _mask_logits(self, logits: torch.Tensor, states: list[_ReqState]) -> None:
+        for i, st in enumerate(states):
+            p = st.seq.params
+            if st.seq.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos
+                                                   else list(self.tokenizer.eos_token_ids))
+                logits[i, banned] = float("-inf")
+
+    def _append_token(self, st: _ReqState, tok: int) -> RequestOutput:
+        seq, p = st.seq, st.seq.params
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_token_ids.append(tok)
+        st.text += st.detok.push([tok])
+        n_out = seq.num_output_tokens
+        reason = None
+        if n_out >= p.min_tokens:
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.eos_token_ids):
+                reason = "stop"
+            elif p.stop:
+                cut = self._find_stop(st.text, p.stop)
+                if cut is not None:
+                    st.text, reason = st.text[:cut], "stop"
+        if reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        kv_params = None
+        if reason is not None:
+            if self.finish_hook is not None:
+                kv_params = self.finish_hook(seq, reason)
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id]
+            visible = len(st.text)
+        else:
+            hold = max((len(s) for s in p.stop), default=1) - 1
+            visible = max(st.emitted_chars, len(st.text) - hold)
+        new_text = st.text[st.emitted_chars : visible]
+        st.emitted_chars = visible
+        new_ids = seq.output_token_ids[st.sent_tokens :]
+        st.sent_tokens = n_out
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
+                             st.text[:visible], new_ids, new_text, reason is not None, reason,
+                             seq.stats, kv_params)
+
+    @staticmethod
+    def _find_stop(text: str, stops: list[str]) -> int | None:
+        found = [i for i in (text.find(s) for s in stops) if i >= 0]
+        return min(found) if found else None
+
+    def check_integrity(self, extra_refs: dict[int, int] | None = None) -> None:
+        refs = self.scheduler.refs_held()
+        for bid, n in (extra_refs or {}).items():
+            refs[bid] = refs.get(bid, 0) + n
+        self.bm.check_integrity(refs)

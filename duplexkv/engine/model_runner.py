@@ -1,0 +1,57 @@
+"""Runs one scheduled step through the model: builds the flat inputs and attention context."""
+
+from __future__ import annotations
+
+import torch
+
+from duplexkv.engine.attention import AttnContext, build_seq_attn, reset_context, set_context
+from duplexkv.engine.kv_pool import DTYPE, allocate_pool
+from duplexkv.engine.scheduler import ScheduledSeq
+from duplexkv.model.config import ModelConfig
+from duplexkv.model.qwen3 import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: str,
+                 block_size: int, num_blocks: int) -> None:
+        self.cfg = cfg
+        self.dtype = DTYPE[dtype]
+        self.block_size = block_size
+        with torch.device("meta"):
+            model = CausalLM(cfg)
+        model = model.to_empty(device="cpu").to(self.dtype)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.rotary.inv_freq = (1.0 / (cfg.rope_theta ** (
+            torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim)))
+        model.load_hf_weights(weights)
+        self.model = model.eval()
+        self.pool = allocate_pool(cfg, block_size, self.dtype, num_blocks)
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
+        """Compute the batch; returns float32 logits for the sequences that sample, in order."""
+        bs = self.block_size
+        ids, pos, blocks, offsets, seqs, sample_rows = [], [], [], [], [], []
+        row = 0
+        for item in batch:
+            seq, start, n = item.seq, item.start, item.num_new_tokens
+            tokens = seq.all_token_ids[start : start + n]
+            assert len(tokens) == n and n > 0
+            p = range(start, start + n)
+            ids.extend(tokens)
+            pos.extend(p)
+            blocks.extend(seq.block_table[i // bs] for i in p)
+            offsets.extend(i % bs for i in p)
+            seqs.append(build_seq_attn(row, n, start, seq.block_table, bs))
+            row += n
+            if item.samples:
+                sample_rows.append(row - 1)
+        set_context(AttnContext(seqs, torch.tensor(blocks), torch.tensor(offsets)))
+        try:
+            hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.pool)
+        finally:
+            reset_context()
+        if not sample_rows:
+            return None
+        return self.model.logits(hidden[sample_rows])

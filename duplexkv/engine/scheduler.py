@@ -1,0 +1,153 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step has a token budget (`max_num_batched_tokens`). Running sequences go first (a decode
+costs one token, an unfinished prefill takes the next chunk), then waiting sequences are admitted
+in arrival order while budget, sequence slots and blocks last. When a running sequence cannot get
+a block, the most recently admitted running sequence is preempted: its blocks are freed and it
+goes back to the front of the queue to be recomputed (its prefix usually hits the cache).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from duplexkv.engine.block_manager import BlockManager
+from duplexkv.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the sequence's last token, so its logits are needed."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int,
+                 max_num_seqs: int) -> None:
+        self.bm = block_manager
+        self.budget = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.parked: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV
+        self.num_preemptions = 0
+        # frees blocks held for other nodes when live work needs room; returns blocks released
+        self.reclaim: Callable[[int], int] | None = None
+
+    def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        if self.bm.allocate_for(seq, num_tokens):
+            return True
+        need = self.bm.blocks_needed(num_tokens) - seq.num_blocks
+        return bool(self.reclaim and self.reclaim(need)) and self.bm.allocate_for(seq, num_tokens)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.parked)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        batch: list[ScheduledSeq] = []
+        budget = self.budget
+        # running sequences first, oldest first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self._allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted; nothing after it is left
+        # then admit waiting sequences in order
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self._apply_prefix_hit(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._allocate(seq, seq.num_computed_tokens + n):
+                if seq.status is SeqStatus.WAITING and seq.num_hashed_blocks == seq.num_blocks:
+                    self.bm.free(seq)  # do not hold prefix hits while queued
+                    seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
+                seq.stats.queue_ms = (seq.first_scheduled_time - seq.arrival_time) * 1e3
+            self.running.append(seq)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch
+
+    def _apply_prefix_hit(self, seq: Sequence) -> None:
+        # at least one token must be computed to get logits, so never hit the whole sequence
+        hits = self.bm.match_prefix(seq.all_token_ids, (seq.num_tokens - 1) // self.bm.block_size)
+        self.bm.acquire(hits)
+        seq.block_table = list(hits)
+        seq.num_computed_tokens = len(hits) * self.bm.block_size
+        seq.num_hashed_blocks = len(hits)
+        if seq.stats.preemptions == 0:
+            seq.stats.local_hit_tokens = seq.num_computed_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.stats.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark finished and release blocks (callers that retain blocks pin them first)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.parked.pop(seq.request_id, None)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.bm.free(seq)
+
+    # remote KV (used by the transfer layer)
+    def park(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING_FOR_REMOTE_KV
+        self.parked[seq.request_id] = seq
+
+    def unpark(self, seq: Sequence) -> None:
+        del self.parked[seq.request_id]
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def refs_held(self) -> dict[int, int]:
+        """Block -> number of references held by live sequences (for integrity checks)."""
+        refs: dict[int, int] = {}
+        for seq in [*self.running, *self.waiting, *self.parked.values()]:
+            for bid in seq.block_table:
+                refs[bid] = refs.get(bid, 0) + 1
+        return refs

@@ -1,0 +1,143 @@
+"""Block manager and scheduler invariants under random operation sequences."""
+
+import random
+
+import pytest
+
+from duplexkv.engine.block_manager import BlockManager, hash_token_blocks
+from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.engine.scheduler import Scheduler
+from duplexkv.engine.sequence import Sequence
+
+BS = 4
+
+
+def make_seq(i, tokens):
+    return Sequence(f"s{i}", list(tokens), SamplingParams(max_tokens=8), BS)
+
+
+def test_hash_chain_depends_on_prefix_and_seed():
+    a = hash_token_blocks(b"seed", [1, 2, 3, 4, 5, 6, 7, 8], BS)
+    b = hash_token_blocks(b"seed", [9, 2, 3, 4, 5, 6, 7, 8], BS)
+    c = hash_token_blocks(b"other", [1, 2, 3, 4, 5, 6, 7, 8], BS)
+    assert len(a) == 2 and a[1] != b[1] and a[0] != c[0]
+    assert hash_token_blocks(b"seed", [1, 2, 3], BS) == []
+
+
+def test_prefix_hit_revives_freed_blocks_and_eviction_is_lru():
+    bm = BlockManager(4, BS, True, b"s")
+    seq = make_seq(0, range(8))
+    assert bm.allocate_for(seq, 8)
+    seq.num_computed_tokens = 8
+    bm.cache_blocks(seq)
+    first = list(seq.block_table)
+    bm.free(seq)
+    assert bm.counts().cached_free == 2
+    assert bm.match_prefix(list(range(8))) == first
+    assert bm.match_prefix([0, 1, 2, 3, 9, 9, 9, 9]) == first[:1]
+    # allocating all 4 blocks evicts the cached ones; the hash index forgets them
+    taken = bm.allocate(4)
+    assert sorted(taken) == [0, 1, 2, 3]
+    assert bm.match_prefix(list(range(8))) == []
+    assert bm.num_evicted == 2
+    bm.check_integrity({b: 1 for b in taken})
+
+
+def test_pins_keep_blocks_out_of_eviction():
+    bm = BlockManager(3, BS, True, b"s")
+    seq = make_seq(0, range(8))
+    bm.allocate_for(seq, 8)
+    seq.num_computed_tokens = 8
+    bm.cache_blocks(seq)
+    held = list(seq.block_table)
+    bm.pin(held)
+    bm.free(seq)
+    assert not bm.can_allocate(2)
+    bm.unpin(held)
+    assert bm.can_allocate(3)
+    bm.check_integrity({})
+
+
+def test_disabled_prefix_cache_never_hits():
+    bm = BlockManager(4, BS, False, b"s")
+    seq = make_seq(0, range(8))
+    bm.allocate_for(seq, 8)
+    seq.num_computed_tokens = 8
+    bm.cache_blocks(seq)
+    bm.free(seq)
+    assert bm.match_prefix(list(range(8))) == []
+    assert bm.counts().cached_free == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_block_operations_keep_integrity(seed):
+    rng = random.Random(seed)
+    bm = BlockManager(32, BS, True, b"s")
+    live: list[Sequence] = []
+    pins: list[list[int]] = []
+    shared = [rng.randrange(50) for _ in range(12)]
+    for step in range(400):
+        op = rng.random()
+        if op < 0.4:
+            toks = (shared[: rng.randint(0, 12)] if rng.random() < 0.5 else []) + \
+                [rng.randrange(50) for _ in range(rng.randint(1, 20))]
+            seq = make_seq(step, toks)
+            hits = bm.match_prefix(toks, (len(toks) - 1) // BS)
+            bm.acquire(hits)
+            seq.block_table = list(hits)
+            seq.num_computed_tokens = len(hits) * BS
+            seq.num_hashed_blocks = len(hits)
+            if bm.allocate_for(seq, len(toks)):
+                seq.num_computed_tokens = len(toks)
+                bm.cache_blocks(seq)
+                live.append(seq)
+            else:
+                bm.free(seq)
+        elif op < 0.7 and live:
+            bm.free(live.pop(rng.randrange(len(live))))
+        elif op < 0.8 and live:
+            pins.append(list(rng.choice(live).block_table))
+            bm.pin(pins[-1])
+        elif op < 0.9 and pins:
+            bm.unpin(pins.pop(rng.randrange(len(pins))))
+        refs: dict[int, int] = {}
+        for ids in [s.block_table for s in live] + pins:
+            for b in ids:
+                refs[b] = refs.get(b, 0) + 1
+        bm.check_integrity(refs)
+        # every cached block's tokens are what its hash says
+        for s in live:
+            want = hash_token_blocks(b"s", s.all_token_ids, BS)
+            for i, h in enumerate(want):
+                blk = bm.blocks[s.block_table[i]]
+                assert blk.hash == h and list(blk.token_ids) == s.block_tokens(i)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_scheduler_random_workload_finishes_with_integrity(seed):
+    rng = random.Random(seed)
+    bm = BlockManager(24, BS, True, b"s")
+    sched = Scheduler(bm, max_num_batched_tokens=10, max_num_seqs=5)
+    seqs = [make_seq(i, [rng.randrange(30) for _ in range(rng.randint(1, 30))]) for i in range(15)]
+    for s in seqs:
+        s.params = SamplingParams(max_tokens=rng.randint(1, 12))
+        sched.add(s)
+    for _ in range(2000):
+        if not sched.has_work:
+            break
+        batch = sched.schedule()
+        assert batch, "scheduler stalled with work left"
+        assert sum(b.num_new_tokens for b in batch) <= 10
+        assert len({id(b.seq) for b in batch}) == len(batch)
+        for b in batch:
+            assert b.seq.num_blocks * BS >= b.start + b.num_new_tokens
+            b.seq.num_computed_tokens += b.num_new_tokens
+            bm.cache_blocks(b.seq)
+            if b.samples:
+                b.seq.output_token_ids.append(rng.randrange(30))
+                if b.seq.num_output_tokens >= b.seq.params.max_tokens:
+                    sched.finish(b.seq, "length")
+        bm.check_integrity(sched.refs_held())
+    assert not sched.has_work
+    assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
+    assert bm.counts().in_use == 0
