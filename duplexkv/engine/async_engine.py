@@ -75,6 +75,9 @@ class AsyncEngine:
         self.engine.check_request(len(prompt_ids), params)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
+        if self.dead:  # died between the check above and registering the stream
+            self._streams.pop(request_id, None)
+            raise EngineDeadError(self.dead)
         self._cmds.put(_Add(request_id, prompt_ids, params, extra))
         finished = False
         try:
@@ -82,9 +85,9 @@ class AsyncEngine:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
+                finished = item.finished
                 yield item
-                if item.finished:
-                    finished = True
+                if finished:
                     return
         finally:
             self._streams.pop(request_id, None)

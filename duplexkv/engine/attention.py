@@ -92,8 +92,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
             out[rows] = o.reshape(1, -1, o.shape[-1])
         else:
             qh = q[rows].transpose(0, 1)  # [H, n, D]
+            if group > 1:  # expand KV heads: enable_gqa would take SDPA's slow math path
+                sk = sk.repeat_interleave(group, dim=0)
+                sv = sv.repeat_interleave(group, dim=0)
             o = F.scaled_dot_product_attention(
-                qh, sk, sv, attn_mask=s.mask, is_causal=s.mask is None, scale=scale,
-                enable_gqa=group > 1)
+                qh, sk, sv, attn_mask=s.mask, is_causal=s.mask is None, scale=scale)
             out[rows] = o.transpose(0, 1)
     return out

@@ -92,6 +92,7 @@ class LLMEngine:
         # hooks for the KV-transfer layer (engine thread)
         self.finish_hook: Callable[[Sequence, str], dict | None] | None = None
         self.abort_hook: Callable[[Sequence], None] | None = None
+        self.extra_refs: Callable[[], dict[int, int]] | None = None  # blocks pinned outside
 
     @property
     def max_model_len(self) -> int:
@@ -245,8 +246,9 @@ class LLMEngine:
         found = [i for i in (text.find(s) for s in stops) if i >= 0]
         return min(found) if found else None
 
-    def check_integrity(self, extra_refs: dict[int, int] | None = None) -> None:
+    def check_integrity(self) -> None:
+        """Pool invariants, and every block reference accounted for (sequences + pins)."""
         refs = self.scheduler.refs_held()
-        for bid, n in (extra_refs or {}).items():
+        for bid, n in (self.extra_refs() if self.extra_refs else {}).items():
             refs[bid] = refs.get(bid, 0) + n
         self.bm.check_integrity(refs)

@@ -1,0 +1,80 @@
+"""`--kv-transfer-config`: vLLM's JSON keys, parsed into a frozen dataclass."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+CONNECTORS = {"NixlConnector": "nixl", "TcpConnector": "tcp"}
+POLICIES = ("fail", "recompute")
+
+
+class KVConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    kv_connector: str = "TcpConnector"
+    kv_role: str = "kv_both"  # accepted for vLLM compatibility; the role is per request
+    # vLLM defaults to "fail"; we default to recompute so that no request is lost
+    kv_load_failure_policy: str = "recompute"
+    bidirectional_kv_xfer: bool = False
+    kv_recompute_threshold: int = 64
+    decoder_kv_blocks_ttl: float = 480.0
+    kv_lease_duration: float = 30.0
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0  # 0 = any free port
+    transfer_host: str = "127.0.0.1"  # TCP transport listener
+    enforce_handshake_compat: bool = True
+    read_timeout_s: float = 10.0
+    expiry_margin_s: float = 5.0  # decline remote blocks that expire sooner than this
+
+    @property
+    def transport(self) -> str:
+        return CONNECTORS[self.kv_connector]
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return max(self.kv_lease_duration / 6, 0.05)
+
+    @classmethod
+    def parse(cls, raw: str | dict | None) -> "KVTransferConfig | None":
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise KVConfigError(f"--kv-transfer-config is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise KVConfigError("--kv-transfer-config must be a JSON object")
+        extra = raw.get("kv_connector_extra_config") or {}
+        if not isinstance(extra, dict):
+            raise KVConfigError("kv_connector_extra_config must be a JSON object")
+        conn = raw.get("kv_connector", "TcpConnector")
+        if conn not in CONNECTORS:
+            raise KVConfigError(f"kv_connector {conn!r} is not supported; use one of "
+                                f"{', '.join(CONNECTORS)}")
+        policy = raw.get("kv_load_failure_policy", "recompute")
+        if policy not in POLICIES:
+            raise KVConfigError(f"kv_load_failure_policy must be one of {POLICIES}")
+        fields = cls.__dataclass_fields__
+        kw: dict = {"kv_connector": conn, "kv_load_failure_policy": policy,
+                    "kv_role": raw.get("kv_role", "kv_both")}
+        legacy = {"remote_pull_threshold": "kv_recompute_threshold"}
+        for k, v in extra.items():
+            k = legacy.get(k, k)
+            if k in fields and k not in kw:
+                want = type(getattr(cls(), k))
+                if want is float and isinstance(v, int) and not isinstance(v, bool):
+                    v = float(v)
+                if not isinstance(v, want) or (want is int and isinstance(v, bool)):
+                    raise KVConfigError(f"kv_connector_extra_config.{k} must be {want.__name__}")
+                kw[k] = v
+            # other vLLM keys (backends, num_threads, engine_ttl, ...) are accepted and ignored
+        cfg = cls(**kw)
+        if cfg.kv_recompute_threshold < 0 or cfg.decoder_kv_blocks_ttl <= 0 \
+                or cfg.kv_lease_duration <= 0:
+            raise KVConfigError("thresholds and durations must be positive")
+        return cfg

@@ -1,0 +1,160 @@
+"""Blocks a node keeps for another node to READ: P's prefill under a lease, D's finished turn
+under a TTL. Shared between the engine thread (creates and releases entries, owns the block
+references) and the side-channel thread (verifies, claims, renews), hence the lock.
+
+    kind    created when                      renewed by          released by
+    lease   P leg finished (prefill done)     heartbeats, claim   reader's done-notif, expiry
+    ttl     D leg finished (stop/length)      claim only          reader's done-notif, expiry,
+                                                                  memory pressure (oldest first)
+A claim (a reader verified the blocks and is about to READ them) protects an entry from expiry
+and from early release until the claim lapses.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from duplexkv.engine.block_manager import hash_block
+
+
+@dataclass(slots=True)
+class Retained:
+    request_id: str  # the remote_request_id a reader names
+    block_ids: list[int]
+    token_ids: list[int]  # tokens whose KV the blocks hold, in order
+    hashes: list[bytes]  # chained hashes of the full blocks
+    kind: str  # "lease" | "ttl"
+    expiry: float  # time.perf_counter() deadline
+    claimed_until: float = 0.0
+
+    def claimed(self, now: float) -> bool:
+        return self.claimed_until > now
+
+
+class VerifyResult(NamedTuple):
+    matched_tokens: int  # leading tokens whose KV the holder has for the reader's prompt
+    expiry: float  # holder clock
+    reason: str  # "" or why nothing matched ("unknown", "expired")
+
+
+def match_tokens(entry: Retained, hashes: list[bytes], tail: list[int], block_size: int) -> int:
+    """Leading tokens where the holder's blocks equal the reader's prompt, by position."""
+    n = 0
+    while n < min(len(hashes), len(entry.hashes)) and hashes[n] == entry.hashes[n]:
+        n += 1
+    matched = n * block_size
+    if n == len(hashes):  # every full block the reader sent matched: compare its partial block
+        theirs = entry.token_ids[matched : matched + block_size]
+        k = 0
+        while k < min(len(tail), len(theirs)) and tail[k] == theirs[k]:
+            k += 1
+        matched += k
+    return min(matched, len(entry.token_ids))
+
+
+class RetentionTable:
+    def __init__(self, block_size: int, seed: bytes) -> None:
+        self.block_size = block_size
+        self.seed = seed
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, Retained] = OrderedDict()  # oldest first
+        self.released = {"read": 0, "notified": 0, "expired": 0, "pressure": 0, "abort": 0}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, request_id: str, block_ids: list[int], token_ids: list[int], kind: str,
+            duration_s: float) -> Retained:
+        hashes, parent = [], self.seed
+        bs = self.block_size
+        for i in range(len(token_ids) // bs):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        entry = Retained(request_id, list(block_ids), list(token_ids), hashes, kind,
+                         time.perf_counter() + duration_s)
+        with self._lock:
+            self._entries[request_id] = entry
+        return entry
+
+    def get(self, request_id: str) -> Retained | None:
+        with self._lock:
+            return self._entries.get(request_id)
+
+    def pop(self, request_id: str, why: str) -> Retained | None:
+        with self._lock:
+            entry = self._entries.pop(request_id, None)
+            if entry is not None:
+                self.released[why] += 1
+            return entry
+
+    def verify_and_claim(self, request_id: str, hashes: list[bytes], tail: list[int],
+                         claim_s: float) -> VerifyResult:
+        now = time.perf_counter()
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None:
+                return VerifyResult(0, 0.0, "unknown")
+            if entry.expiry <= now and not entry.claimed(now):
+                return VerifyResult(0, entry.expiry, "expired")
+            matched = match_tokens(entry, hashes, tail, self.block_size)
+            if matched > 0:
+                entry.claimed_until = max(entry.claimed_until, now + claim_s)
+                entry.expiry = max(entry.expiry, entry.claimed_until)
+            return VerifyResult(matched, entry.expiry, "" if matched else "mismatch")
+
+    def heartbeat(self, request_ids: list[str], extend_s: float) -> int:
+        """Renew leases (not TTLs) to at least now + extend_s; returns how many were known."""
+        now, n = time.perf_counter(), 0
+        with self._lock:
+            for rid in request_ids:
+                entry = self._entries.get(rid)
+                if entry is not None:
+                    n += 1
+                    if entry.kind == "lease":
+                        entry.expiry = max(entry.expiry, now + extend_s)
+        return n
+
+    def pop_expired(self) -> list[Retained]:
+        now = time.perf_counter()
+        with self._lock:
+            gone = [e for e in self._entries.values() if e.expiry <= now and not e.claimed(now)]
+            for e in gone:
+                del self._entries[e.request_id]
+                self.released["expired"] += 1
+        return gone
+
+    def pop_oldest_unclaimed(self) -> Retained | None:
+        now = time.perf_counter()
+        with self._lock:
+            for e in self._entries.values():
+                if not e.claimed(now):
+                    del self._entries[e.request_id]
+                    self.released["pressure"] += 1
+                    return e
+        return None
+
+    def pop_all(self) -> list[Retained]:
+        with self._lock:
+            gone = list(self._entries.values())
+            self._entries.clear()
+        return gone
+
+    def refs(self) -> dict[int, int]:
+        """Block -> references held by retained entries (for integrity checks)."""
+        out: dict[int, int] = {}
+        with self._lock:
+            for e in self._entries.values():
+                for b in e.block_ids:
+                    out[b] = out.get(b, 0) + 1
+        return out
+
+    def stats(self) -> dict:
+        with self._lock:
+            kinds = [e.kind for e in self._entries.values()]
+            blocks = sum(len(e.block_ids) for e in self._entries.values())
+        return {"entries": len(kinds), "leases": kinds.count("lease"),
+                "ttl": kinds.count("ttl"), "blocks": blocks, "released": dict(self.released)}

@@ -1,0 +1,45 @@
+"""MODEL arguments: a model directory, or a preset name made once into the user's cache dir."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from duplexkv.model.config import ModelLoadError
+from duplexkv.model.presets import PRESETS
+
+
+def cache_dir() -> Path:
+    if env := os.environ.get("DUPLEXKV_CACHE_DIR"):
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "duplexkv"
+
+
+def preset_dir(preset: str, seed: int = 0) -> Path:
+    return cache_dir() / "models" / f"{preset}-seed{seed}"
+
+
+def resolve_model(name_or_dir: str | Path) -> Path:
+    """An existing directory as-is; a preset name -> its cached directory, made on first use."""
+    path = Path(name_or_dir).expanduser()
+    if path.is_dir():
+        return path
+    name = str(name_or_dir)
+    if name not in PRESETS:
+        raise ModelLoadError(
+            f"model {name!r} is neither a directory (one holding config.json, model.safetensors "
+            f"and tokenizer.json) nor a preset ({', '.join(sorted(PRESETS))})"
+        )
+    target = preset_dir(name)
+    if (target / "config.json").is_file():  # made by an atomic rename: complete
+        return target
+    from duplexkv.model.synth import make_model  # training a tokenizer: import only when needed
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one maker per machine; the others wait, then reuse
+        if not (target / "config.json").is_file():
+            make_model(target, name, seed=0)
+    return target

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP worker: request parsing, the FastAPI app, metrics and `serve`."""

@@ -1,0 +1,114 @@
+"""The worker's FastAPI app: OpenAI endpoints plus /health, /metrics and /debug/engine.
+
+    POST /v1/completions, /v1/chat/completions   (serving.OpenAIServing)
+    GET  /v1/models, /health, /metrics, /debug/engine
+
+Request bodies are read raw and validated by `protocol`, so client mistakes are 400s in OpenAI's
+error shape (never FastAPI's 422); a dead engine thread gives 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from duplexkv.engine.async_engine import AsyncEngine
+from duplexkv.server.errors import APIError, bad_request, engine_unavailable, internal_error
+from duplexkv.server.metrics import EngineSnapshot, ServerMetrics
+from duplexkv.server.serving import OpenAIServing
+
+log = logging.getLogger("duplexkv.server")
+ENGINE_CALL_TIMEOUT_S = 5.0  # a busy engine answers between steps; longer than this = busy
+
+
+async def _snapshot(aeng: AsyncEngine) -> EngineSnapshot | None:
+    """Engine state, or None when the engine thread is dead or too busy to answer in time."""
+    if aeng.dead:
+        return None
+    try:
+        return await asyncio.wait_for(aeng.call(lambda: EngineSnapshot.read(aeng.engine)),
+                                      ENGINE_CALL_TIMEOUT_S)
+    except (TimeoutError, RuntimeError):
+        return None
+
+
+def build_app(aeng: AsyncEngine, served_model_name: str,
+              health_extra: Callable[[], dict] | None = None) -> FastAPI:
+    """The app for one engine; `health_extra()` adds fields to /health (e.g. the KV layer's)."""
+    app = FastAPI(title="duplexkv worker", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServerMetrics(served_model_name)
+    serving = OpenAIServing(aeng, served_model_name, metrics)
+    created = int(time.time())
+    app.state.aeng, app.state.metrics, app.state.serving = aeng, metrics, serving
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+        return bad_request(f"invalid request: {exc.errors()}").response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return internal_error(exc).response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.handle(request, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {"id": served_model_name, "object": "model", "created": created,
+                "owned_by": "duplexkv", "root": str(aeng.engine.model_dir), "parent": None,
+                "max_model_len": aeng.engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if aeng.dead:
+            return engine_unavailable(aeng.dead).response()
+        snap = await _snapshot(aeng)
+        body: dict = {"status": "ok", "model": served_model_name}
+        body.update(snap.as_dict() if snap is not None else {"engine_busy": True})
+        body["in_flight_requests"] = len(serving.ids.in_flight)
+        if health_extra is not None:
+            body.update(health_extra())
+        return JSONResponse(body)
+
+    @app.get("/debug/engine")
+    async def debug_engine() -> Response:
+        """Engine state plus the block pool's invariants, checked on the engine thread."""
+        if aeng.dead:
+            return engine_unavailable(aeng.dead).response()
+
+        def read() -> dict:
+            try:
+                aeng.engine.check_integrity()
+                integrity = "ok"
+            except AssertionError as e:
+                integrity = f"violated: {e}"
+            return {**EngineSnapshot.read(aeng.engine).as_dict(), "integrity": integrity,
+                    "num_evicted_blocks": aeng.engine.bm.num_evicted}
+
+        return JSONResponse(await aeng.call(read))
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        metrics.update(not aeng.dead, await _snapshot(aeng))
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app

@@ -1,0 +1,24 @@
+"""The one place where `serve` attaches KV transfer to an engine."""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+from collections.abc import Callable
+
+from duplexkv.engine.async_engine import AsyncEngine
+from duplexkv.kv.config import KVTransferConfig
+
+
+def attach_kv_transfer(aeng: AsyncEngine, kv_config: dict | None,
+                       args: argparse.Namespace) -> Callable[[], dict] | None:
+    """Wire the KV connector into `aeng` per `--kv-transfer-config`; return the function whose
+    dict is merged into /health, or None without a config. Bad settings raise ValueError."""
+    cfg = KVTransferConfig.parse(kv_config)
+    if cfg is None:
+        return None
+    from duplexkv.kv.connector import KVConnector  # imports the transport libraries
+
+    connector = KVConnector(cfg, aeng)
+    atexit.register(connector.close)
+    return lambda: {"kv_transfer": connector.health()}

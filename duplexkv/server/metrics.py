@@ -1,0 +1,104 @@
+"""Prometheus metrics of one worker app (its own CollectorRegistry, so apps never clash)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from duplexkv.engine.block_manager import BlockCounts
+from duplexkv.engine.llm_engine import LLMEngine, RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                   80.0, 160.0)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Engine state read on the engine thread (via `AsyncEngine.call`)."""
+
+    running: int
+    waiting: int
+    waiting_for_remote_kv: int
+    blocks: BlockCounts
+    block_size: int
+    num_preemptions: int
+
+    @classmethod
+    def read(cls, engine: LLMEngine) -> EngineSnapshot:
+        s = engine.scheduler
+        return cls(len(s.running), len(s.waiting), len(s.parked), engine.bm.counts(),
+                   engine.config.block_size, s.num_preemptions)
+
+    def as_dict(self) -> dict:
+        return {"running": self.running, "waiting": self.waiting,
+                "waiting_for_remote_kv": self.waiting_for_remote_kv,
+                "kv_blocks": self.blocks._asdict(), "block_size": self.block_size,
+                "num_preemptions": self.num_preemptions}
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        m = {"registry": r}
+        self.requests = Counter("duplexkv_requests", "Generation requests by endpoint and outcome",
+                                ["endpoint", "outcome"], **m)
+        self.prompt_tokens = Counter("duplexkv_prompt_tokens", "Prompt tokens of finished requests",
+                                     **m)
+        self.generation_tokens = Counter("duplexkv_generation_tokens", "Generated tokens", **m)
+        self.prefix_hit_tokens = Counter("duplexkv_prefix_cache_hit_tokens",
+                                         "Prompt tokens served from the local prefix cache", **m)
+        self.pulled_tokens = Counter("duplexkv_kv_pulled_tokens",
+                                     "Prompt tokens whose KV was pulled from another worker", **m)
+        self.computed_tokens = Counter("duplexkv_prompt_computed_tokens",
+                                       "Prompt tokens computed by prefill", **m)
+        self.ttft = Histogram("duplexkv_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, **m)
+        self.e2e = Histogram("duplexkv_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=LATENCY_BUCKETS, **m)
+        self.running = Gauge("duplexkv_num_requests_running", "Requests in the running batch", **m)
+        self.waiting = Gauge("duplexkv_num_requests_waiting",
+                             "Requests waiting (queued or for remote KV)", **m)
+        self.kv_blocks = Gauge("duplexkv_kv_blocks", "KV blocks by state", ["state"], **m)
+        self.preemptions = Gauge("duplexkv_num_preemptions", "Preemptions since start", **m)
+        self.engine_alive = Gauge("duplexkv_engine_alive", "1 while the engine thread runs", **m)
+        self.info = Gauge("duplexkv_model_info", "Served model", ["model"], **m)
+        self.info.labels(model_name).set(1)
+
+    def record_finished(self, endpoint: str, outcome: str, out: RequestOutput | None) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+        if out is None:
+            return
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(out.token_ids))
+        if out.kv_stats is not None:
+            self.prefix_hit_tokens.inc(out.kv_stats.local_hit_tokens)
+            self.pulled_tokens.inc(out.kv_stats.pulled_tokens)
+            self.computed_tokens.inc(out.kv_stats.computed_tokens)
+
+    def record_rejected(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+    def update(self, alive: bool, snap: EngineSnapshot | None) -> None:
+        """Refresh the gauges (`snap` is None when the engine did not answer)."""
+        self.engine_alive.set(1 if alive else 0)
+        if snap is None:
+            return
+        self.running.set(snap.running)
+        self.waiting.set(snap.waiting + snap.waiting_for_remote_kv)
+        b = snap.blocks
+        for state, n in (("used", b.in_use), ("free", b.free), ("cached", b.cached_free)):
+            self.kv_blocks.labels(state).set(n)
+        self.preemptions.set(snap.num_preemptions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

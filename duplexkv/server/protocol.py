@@ -1,0 +1,228 @@
+"""OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) -> a typed `GenerateRequest`.
+
+Validation is ours, not pydantic's, so every mistake becomes a 400 that names the field. Unknown
+fields (`user`, `conversation_id`, `session_id`, ...) are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.server.errors import bad_request
+
+Kind = Literal["completion", "chat"]
+ROLES = ("system", "user", "assistant", "tool", "developer")  # developer is sent as system
+_MISSING = object()
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    kind: Kind
+    model: str | None  # None: the served model
+    prompt: str | list[int] | None = None  # completions
+    messages: list[dict] | None = None  # chat, normalised to text content
+    add_generation_prompt: bool = True
+    max_tokens: int | None = None  # None: fill the context, as vLLM does
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    kv_transfer_params: dict | None = None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Engine settings; a ValueError from the engine becomes a 400 naming the field."""
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                top_k=self.top_k, seed=self.seed, stop=list(self.stop),
+                stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens)
+        except ValueError as e:
+            m = re.search(r"parameter (\w+)=", str(e))
+            raise bad_request(str(e), m.group(1) if m else None) from None
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request(f"The request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return body
+
+
+class _Fields:
+    """Typed getters over a JSON object; each raises a 400 naming the field."""
+
+    def __init__(self, body: dict) -> None:
+        self.body = body
+
+    def get(self, name: str, types: tuple[type, ...], what: str, default: Any = None) -> Any:
+        v = self.body.get(name, _MISSING)
+        if v is _MISSING or v is None:
+            return default
+        if isinstance(v, bool) and bool not in types:
+            raise bad_request(f"`{name}` must be {what}, got {v!r}", name)
+        if not isinstance(v, types):
+            raise bad_request(f"`{name}` must be {what}, got {type(v).__name__}", name)
+        return v
+
+    def integer(self, name: str, default: int | None = None) -> int | None:
+        return self.get(name, (int,), "an integer", default)
+
+    def number(self, name: str, default: float | None = None) -> float | None:
+        v = self.get(name, (int, float), "a number", default)
+        return None if v is None else float(v)
+
+    def boolean(self, name: str, default: bool = False) -> bool:
+        return self.get(name, (bool,), "a boolean", default)
+
+    def reject(self, name: str, allowed: tuple, what: str) -> None:
+        """A feature we do not implement: fine when absent or at its no-op value."""
+        v = self.body.get(name)
+        if v is not None and v not in allowed:
+            raise bad_request(f"`{name}` is not supported by this server ({what})", name)
+
+
+def parse_request(body: dict, kind: Kind) -> GenerateRequest:
+    f = _Fields(body)
+    model = f.get("model", (str,), "a string")
+    n = f.integer("n", 1)
+    if n != 1:
+        raise bad_request(f"`n` must be 1 (only one choice per request is supported), got {n}", "n")
+    f.reject("best_of", (1,), "only 1")
+    f.reject("echo", (False,), "only false")
+    f.reject("suffix", ("",), "no suffix")
+    f.reject("presence_penalty", (0, 0.0), "only 0")
+    f.reject("frequency_penalty", (0, 0.0), "only 0")
+    f.reject("repetition_penalty", (1, 1.0), "only 1")
+    if kind == "completion":
+        f.reject("logprobs", (), "logprobs are not returned")
+    else:
+        f.reject("logprobs", (False,), "logprobs are not returned")
+        f.reject("top_logprobs", (0,), "logprobs are not returned")
+    max_tokens = f.integer("max_tokens")
+    if kind == "chat":
+        max_tokens = f.integer("max_completion_tokens", max_tokens)
+    stream = f.boolean("stream")
+    options = f.get("stream_options", (dict,), "an object", {})
+    include_usage = _Fields(options).get("include_usage", (bool,), "a boolean", False)
+    kv = f.get("kv_transfer_params", (dict,), "an object or null")
+    common: dict[str, Any] = {
+        "kind": kind, "model": model, "max_tokens": max_tokens,
+        "temperature": f.number("temperature", 1.0), "top_p": f.number("top_p", 1.0),
+        "top_k": f.integer("top_k", 0), "seed": f.integer("seed"), "stop": _stop(body.get("stop")),
+        "stop_token_ids": _int_list(body.get("stop_token_ids"), "stop_token_ids"),
+        "ignore_eos": f.boolean("ignore_eos"), "min_tokens": f.integer("min_tokens", 0),
+        "stream": stream, "include_usage": bool(stream and include_usage),
+        "kv_transfer_params": kv}
+    if kind == "completion":
+        if "prompt" not in body or body["prompt"] is None:
+            raise bad_request("`prompt` is required", "prompt")
+        return GenerateRequest(prompt=_prompt(body["prompt"]), **common)
+    if "messages" not in body or body["messages"] is None:
+        raise bad_request("`messages` is required", "messages")
+    return GenerateRequest(messages=_messages(body["messages"]),
+                           add_generation_prompt=f.boolean("add_generation_prompt", True), **common)
+
+
+def _stop(v: Any) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v] if v else []
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return [s for s in v if s]
+    raise bad_request("`stop` must be a string or a list of strings", "stop")
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def _int_list(v: Any, name: str) -> list[int]:
+    if v is None:
+        return []
+    if not _is_ids(v):
+        raise bad_request(f"`{name}` must be a list of integers", name)
+    return v
+
+
+def _prompt(v: Any) -> str | list[int]:
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list) or not v:
+        raise bad_request("`prompt` must be a string or a non-empty list of token ids", "prompt")
+    if _is_ids(v):
+        return v
+    if all(isinstance(p, str) for p in v) or all(_is_ids(p) for p in v):
+        if len(v) == 1:
+            return v[0]
+        raise bad_request(f"batched prompts are not supported: got {len(v)} prompts, send one "
+                          "prompt per request", "prompt")
+    raise bad_request("`prompt` must be a string, a list of token ids, or a list holding one of "
+                      "those", "prompt")
+
+
+def _messages(v: Any) -> list[dict]:
+    if not isinstance(v, list) or not v:
+        raise bad_request("`messages` must be a non-empty list of message objects", "messages")
+    return [_message(i, m) for i, m in enumerate(v)]
+
+
+def _message(i: int, m: Any) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad_request(f"`{where}` must be an object", where)
+    role = m.get("role")
+    if role not in ROLES:
+        raise bad_request(f"`{where}.role` must be one of {', '.join(ROLES)}, got {role!r}",
+                          f"{where}.role")
+    out: dict = {"role": "system" if role == "developer" else role,
+                 "content": _content(m.get("content"), f"{where}.content")}
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    if isinstance(m.get("reasoning"), str) and "reasoning_content" not in out:
+        out["reasoning_content"] = m["reasoning"]
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise bad_request(f"`{where}.tool_calls` must be a list of objects",
+                              f"{where}.tool_calls")
+        if calls:
+            out["tool_calls"] = calls
+    return out
+
+
+def _content(v: Any, where: str) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise bad_request(f"`{where}` must be a string or a list of content parts", where)
+    texts = []
+    for j, part in enumerate(v):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_request(f"`{where}[{j}]`: only text content parts are supported, got "
+                              f"{kind!r}", f"{where}[{j}]")
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"`{where}[{j}].text` must be a string", f"{where}[{j}].text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+__all__ = ["GenerateRequest", "Kind", "parse_json", "parse_request"]

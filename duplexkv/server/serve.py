@@ -1,0 +1,124 @@
+"""`duplexkv serve MODEL --port N ...`: one OpenAI-compatible worker (flag names follow vLLM)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from duplexkv.config import DTYPES, EngineConfig
+
+log = logging.getLogger("duplexkv.serve")
+_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="run an OpenAI-compatible worker",
+                              description="Serve MODEL over the OpenAI API (vLLM-compatible).")
+    p.add_argument("model", help="a model directory or a preset name (tiny, bench)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name in the API (default: the model dir's basename or preset)")
+    p.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"])
+    p.add_argument("--dtype", choices=DTYPES, default=_DEFAULTS["dtype"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--num-kv-blocks", type=int, default=None)
+    mem.add_argument("--kv-cache-memory", type=float, metavar="GIB",
+                     default=_DEFAULTS["kv_cache_memory_gib"])
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_DEFAULTS["enable_prefix_caching"])
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=_DEFAULTS["max_num_batched_tokens"])
+    p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"])
+    p.add_argument("--seed", type=int, default=_DEFAULTS["seed"])
+    p.add_argument("--kv-transfer-config", type=_json_object, default=None, metavar="JSON",
+                   help='e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'')
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(run=run_serve)
+    return p
+
+
+def served_name(model: str) -> str:
+    return Path(model).name or model
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, block_size=args.block_size,
+        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gib=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        seed=args.seed)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; bad settings raise ValueError (one CLI error line)."""
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = engine_config(args)
+    # heavy imports only once the arguments are known to be good
+    import uvicorn
+
+    from duplexkv.engine.async_engine import AsyncEngine
+    from duplexkv.engine.llm_engine import LLMEngine
+    from duplexkv.server.app import build_app
+    from duplexkv.server.kv_hook import attach_kv_transfer
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """Like uvicorn's, minus re-raising the signal afterwards (we exit cleanly)."""
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+        def handle_exit(self, sig, frame) -> None:
+            log.info("%s: shutting down", signal.Signals(sig).name)
+            super().handle_exit(sig, frame)
+
+    engine = LLMEngine(config)
+    aeng = AsyncEngine(engine)
+    aeng.start()
+    try:
+        health_extra = attach_kv_transfer(aeng, args.kv_transfer_config, args)
+        name = args.served_model_name or served_name(args.model)
+        server = Server(uvicorn.Config(build_app(aeng, name, health_extra), host=args.host,
+                                       port=args.port, lifespan="off", log_level="warning",
+                                       access_log=False, timeout_graceful_shutdown=5))
+        asyncio.run(_serve(server, f"{name} ({engine.model_dir})"))
+        return 0 if server.started else 1
+    finally:
+        aeng.shutdown()
+        log.info("engine stopped")
+
+
+async def _serve(server, what: str) -> None:
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        log.info("serving %s on http://%s:%d", what, host, port)
+    await task

@@ -1,0 +1,268 @@
+"""One generation request end to end: parse, tokenize, run on the engine, answer (JSON or SSE).
+
+A client that goes away aborts its request (closing the engine stream frees its KV blocks):
+before the first output and for non-stream requests we race the engine against the ASGI
+`http.disconnect` message; while streaming, Starlette cancels the body iterator and `SSEResponse`
+closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TypeVar
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from duplexkv.engine.async_engine import AsyncEngine, EngineDeadError
+from duplexkv.engine.llm_engine import LLMEngine, RequestOutput, RequestRejected
+from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.server.errors import (
+    APIError,
+    bad_request,
+    engine_unavailable,
+    internal_error,
+    model_not_found,
+)
+from duplexkv.server.metrics import ServerMetrics
+from duplexkv.server.protocol import GenerateRequest, Kind, parse_json, parse_request
+from duplexkv.server.responses import DONE, Formatter, cached_tokens, sse
+
+log = logging.getLogger("duplexkv.server")
+T = TypeVar("T")
+PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
+ENDPOINT = {"completion": "completions", "chat": "chat_completions"}
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    req: GenerateRequest
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class RequestCtx:
+    request_id: str  # the engine's id
+    response_id: str
+    endpoint: str
+    arrival: float
+    first_token: float | None = None
+    done: bool = False
+
+
+def prepare(engine: LLMEngine, served_model_name: str, body: dict, kind: Kind) -> Prepared:
+    req = parse_request(body, kind)
+    if req.model is not None and req.model != served_model_name:
+        raise model_not_found(req.model)
+    ids = _tokenize(engine, req)
+    # default max_tokens: the rest of the context, as vLLM does (bounded by the KV pool)
+    limit = min(engine.max_model_len, engine.bm.num_blocks * engine.config.block_size)
+    max_tokens = req.max_tokens if req.max_tokens is not None else max(1, limit - len(ids))
+    params = req.sampling_params(max_tokens)
+    try:
+        engine.check_request(len(ids), params)
+    except RequestRejected as e:
+        raise bad_request(str(e)) from None
+    return Prepared(req, ids, params)
+
+
+def _tokenize(engine: LLMEngine, req: GenerateRequest) -> list[int]:
+    field = "prompt" if req.kind == "completion" else "messages"
+    try:
+        if req.kind == "completion":
+            return engine.tokenize(req.prompt)  # type: ignore[arg-type]
+        if req.add_generation_prompt:
+            return engine.tokenize(req.messages)  # type: ignore[arg-type]
+        tok = engine.tokenizer
+        return tok.encode(tok.apply_chat_template(req.messages, add_generation_prompt=False))
+    except RequestRejected as e:
+        raise bad_request(str(e), field) from None
+    except Exception as e:  # a chat template that cannot render these messages
+        raise bad_request(f"could not apply the chat template: {e}", field) from None
+
+
+class RequestIds:
+    """Engine request ids: the client's X-Request-Id when given (suffixed if in flight)."""
+
+    def __init__(self) -> None:
+        self.in_flight: set[str] = set()
+
+    def claim(self, header: str | None, kind: Kind) -> tuple[str, str]:
+        """-> (engine request id, response id)."""
+        base = (header or "").strip()[:200]
+        rid = base or f"{PREFIX[kind]}-{uuid.uuid4().hex}"
+        while rid in self.in_flight:
+            rid = f"{base}-{uuid.uuid4().hex[:8]}"
+        self.in_flight.add(rid)
+        return rid, rid if rid.startswith(PREFIX[kind] + "-") else f"{PREFIX[kind]}-{rid}"
+
+    def release(self, rid: str) -> None:
+        self.in_flight.discard(rid)
+
+
+class SSEResponse(StreamingResponse):
+    """Always closes its body iterator and runs `on_close`, even if streaming never started, so
+    a dropped client aborts the engine request."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, on_close: Callable[[], Awaitable[None]], **kw) -> None:
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self.on_close()
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
+    """Await `aw`; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected()
+
+
+class OpenAIServing:
+    def __init__(self, aeng: AsyncEngine, served_model_name: str, metrics: ServerMetrics) -> None:
+        self.aeng = aeng
+        self.model = served_model_name
+        self.metrics = metrics
+        self.ids = RequestIds()
+
+    async def handle(self, request: Request, kind: Kind) -> Response:
+        endpoint, arrival = ENDPOINT[kind], time.perf_counter()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        try:
+            if self.aeng.dead:
+                raise engine_unavailable(self.aeng.dead)
+            prep = prepare(self.aeng.engine, self.model, parse_json(raw), kind)
+        except APIError as e:
+            self.metrics.record_rejected(endpoint, e.outcome)
+            return e.response()
+        rid, resp_id = self.ids.claim(request.headers.get("x-request-id"), kind)
+        ctx = RequestCtx(rid, resp_id, endpoint, arrival)
+        fmt = Formatter(kind, resp_id, self.model, prep.req.include_usage)
+        headers = {"X-Request-Id": rid}
+        log.info("%s %s: prompt=%d max_tokens=%d stream=%s kv_transfer=%s", rid, endpoint,
+                 len(prep.prompt_ids), prep.params.max_tokens, prep.req.stream,
+                 prep.req.kv_transfer_params is not None)
+        gen = self.aeng.generate(rid, prep.prompt_ids, prep.params,
+                                 extra=prep.req.kv_transfer_params)
+        try:
+            if prep.req.stream:
+                first = await unless_disconnected(request, self._next(gen, ctx))
+
+                async def on_close() -> None:
+                    await gen.aclose()
+                    self._finish(ctx, "aborted", None)
+
+                return SSEResponse(self._stream(gen, first, fmt, ctx), on_close, headers=headers)
+            final = await unless_disconnected(request, self._collect(gen, ctx))
+        except ClientDisconnected:
+            self._finish(ctx, "aborted", None)
+            return Response(status_code=499)
+        except Exception as e:
+            await gen.aclose()
+            err = self._api_error(e, ctx)
+            self._finish(ctx, err.outcome, None)
+            return err.response(headers)
+        self._finish(ctx, "ok", final)
+        return JSONResponse(fmt.full(final), headers=headers)
+
+    async def _next(self, gen: AsyncIterator[RequestOutput], ctx: RequestCtx) -> RequestOutput:
+        out = await gen.__anext__()
+        if ctx.first_token is None:
+            ctx.first_token = time.perf_counter()
+        return out
+
+    async def _collect(self, gen: AsyncIterator[RequestOutput], ctx: RequestCtx) -> RequestOutput:
+        final = None
+        async for final in gen:  # runs the stream to its end, so nothing is left to abort
+            if ctx.first_token is None:
+                ctx.first_token = time.perf_counter()
+        assert final is not None and final.finished
+        return final
+
+    async def _stream(self, gen, first: RequestOutput, fmt: Formatter,
+                      ctx: RequestCtx) -> AsyncIterator[str]:
+        outcome, out = "aborted", first
+        try:
+            async with aclosing(gen):
+                if (line := fmt.start_chunk()) is not None:
+                    yield line
+                if (line := fmt.chunk(out)) is not None:
+                    yield line
+                async for out in gen:
+                    if (line := fmt.chunk(out)) is not None:
+                        yield line
+            outcome = "ok"
+            if fmt.include_usage:
+                yield fmt.usage_chunk(out)
+            yield DONE
+        except Exception as e:
+            err = self._api_error(e, ctx)
+            outcome = err.outcome
+            yield sse(err.body())
+            yield DONE
+        finally:
+            self._finish(ctx, outcome, out if outcome == "ok" else None)
+
+    def _api_error(self, e: Exception, ctx: RequestCtx) -> APIError:
+        if isinstance(e, APIError):
+            return e
+        if isinstance(e, EngineDeadError):
+            return engine_unavailable(str(e))
+        if isinstance(e, ValueError):  # rejected on the engine thread (e.g. kv_transfer_params)
+            return bad_request(str(e))
+        log.exception("%s failed", ctx.request_id)
+        return internal_error(e)
+
+    def _finish(self, ctx: RequestCtx, outcome: str, out: RequestOutput | None) -> None:
+        if ctx.done:
+            return
+        ctx.done = True
+        self.ids.release(ctx.request_id)
+        now = time.perf_counter()
+        self.metrics.record_finished(ctx.endpoint, outcome, out)
+        if out is None:
+            log.info("%s %s", ctx.request_id, outcome)
+            return
+        ttft = (ctx.first_token or now) - ctx.arrival
+        self.metrics.ttft.observe(ttft)
+        self.metrics.e2e.observe(now - ctx.arrival)
+        log.info("%s finished (%s): prompt=%d cached=%d output=%d ttft=%.3fs e2e=%.3fs",
+                 ctx.request_id, out.finish_reason, len(out.prompt_token_ids), cached_tokens(out),
+                 len(out.token_ids), ttft, now - ctx.arrival)
