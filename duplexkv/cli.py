@@ -43,7 +43,24 @@ def add_make_model(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_make_model)
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_make_model, add_serve_parser]
+def _demo(args: argparse.Namespace) -> int:
+    from duplexkv.bench.offline_demo import run
+
+    run(args.model, turns=args.turns, max_tokens=args.max_tokens, dtype=args.dtype)
+    return 0
+
+
+def add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="a short multi-turn agentic session on the default model")
+    p.add_argument("--model", default="bench", help="model directory or preset (default: bench)")
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.set_defaults(run=_demo)
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_make_model, add_serve_parser, add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

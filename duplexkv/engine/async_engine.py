@@ -25,6 +25,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestFailed(RuntimeError):
+    """The engine ended the request with an error (e.g. a KV load under policy "fail")."""
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -85,6 +89,9 @@ class AsyncEngine:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.finish_reason == "error":
+                    finished = True
+                    raise RequestFailed(item.error or "request failed")
                 finished = item.finished
                 yield item
                 if finished:

@@ -81,21 +81,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
         if s.start == 0:
             sk, sv = k[rows], v[rows]
         else:
-            kv = pool[s.block_table, layer]  # [nb, 2, bs, KVH, D]
-            kv = kv.transpose(0, 1).reshape(2, -1, num_kv, kv.shape[-1])[:, : s.ctx_len]
-            sk, sv = kv[0], kv[1]
-        sk, sv = sk.transpose(0, 1), sv.transpose(0, 1)  # [KVH, S, D]
+            # gather K and V separately: each comes out contiguous as [nb, bs, KVH, D]
+            sk = pool[s.block_table, layer, 0].view(-1, num_kv, k.shape[-1])[: s.ctx_len]
+            sv = pool[s.block_table, layer, 1].view(-1, num_kv, k.shape[-1])[: s.ctx_len]
+        # SDPA's fast CPU kernel needs 4-D [batch, heads, len, dim]; 3-D takes the math path
+        sk, sv = sk.transpose(0, 1)[None], sv.transpose(0, 1)[None]  # [1, KVH, S, D]
         if s.num_new == 1:
             # one query: fold the query heads of a KV group into the query-length axis
-            qh = q[rows].view(num_kv, group, -1)
+            qh = q[rows].view(1, num_kv, group, -1)
             o = F.scaled_dot_product_attention(qh, sk, sv, scale=scale)
             out[rows] = o.reshape(1, -1, o.shape[-1])
         else:
-            qh = q[rows].transpose(0, 1)  # [H, n, D]
+            qh = q[rows].transpose(0, 1)[None]  # [1, H, n, D]
             if group > 1:  # expand KV heads: enable_gqa would take SDPA's slow math path
-                sk = sk.repeat_interleave(group, dim=0)
-                sv = sv.repeat_interleave(group, dim=0)
+                sk = sk.repeat_interleave(group, dim=1)
+                sv = sv.repeat_interleave(group, dim=1)
             o = F.scaled_dot_product_attention(
                 qh, sk, sv, attn_mask=s.mask, is_causal=s.mask is None, scale=scale)
-            out[rows] = o.transpose(0, 1)
+            out[rows] = o[0].transpose(0, 1)
     return out

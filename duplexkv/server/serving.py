@@ -20,7 +20,7 @@ from typing import TypeVar
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from duplexkv.engine.async_engine import AsyncEngine, EngineDeadError
+from duplexkv.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from duplexkv.engine.llm_engine import LLMEngine, RequestOutput, RequestRejected
 from duplexkv.engine.sampling_params import SamplingParams
 from duplexkv.server.errors import (
@@ -245,6 +245,8 @@ class OpenAIServing:
             return e
         if isinstance(e, EngineDeadError):
             return engine_unavailable(str(e))
+        if isinstance(e, RequestFailed):
+            return APIError(500, str(e), type="server_error", code="request_failed")
         if isinstance(e, ValueError):  # rejected on the engine thread (e.g. kv_transfer_params)
             return bad_request(str(e))
         log.exception("%s failed", ctx.request_id)

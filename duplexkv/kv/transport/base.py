@@ -1,0 +1,248 @@
+"""The KV transport interface: one-sided READs of whole KV blocks between worker processes.
+
+Every worker registers one pool tensor `[num_blocks, ...]` (contiguous, CPU), so block `b` is the
+byte range `pool.data_ptr() + b * block_bytes` of length `block_bytes`. A transfer is a pull: the
+reader READs remote block ids into its own block ids, then the holder receives a notification
+(opaque bytes) so that it can free the blocks. Implementations: `nixl` (NIXL / UCX) and `tcp`
+(standard library sockets). Pick one with `make_transport(kind, **kw)`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_TIMEOUT_S = 10.0
+NIXL_INSTALL_HINT = "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
+
+
+class XferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class XferHandle:
+    """One READ. Owned by the transport that made it; pass it back to `poll` / `release`.
+
+    `state` and `error` are updated by `poll`; read them after polling. `impl` is private to the
+    transport (a NIXL request, a TCP job).
+    """
+
+    peer: str
+    local_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+    nbytes: int
+    deadline: float  # time.monotonic() after which the read counts as failed
+    started: float = field(default_factory=time.monotonic)
+    state: XferState = XferState.PENDING
+    error: str | None = None
+    finished: float | None = None  # time.monotonic() when DONE/FAILED was first seen
+    impl: object = field(default=None, repr=False)
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.finished if self.finished is not None else time.monotonic()) - self.started
+
+    def _finish(self, state: XferState, error: str | None = None) -> XferState:
+        if self.state is XferState.PENDING:
+            self.state, self.error, self.finished = state, error, time.monotonic()
+        return self.state
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLayout:
+    """Where a registered pool lives and how it splits into blocks."""
+
+    base_ptr: int
+    num_blocks: int
+    block_bytes: int
+
+    @classmethod
+    def of(cls, pool: torch.Tensor) -> "PoolLayout":
+        if pool.device.type != "cpu":
+            raise ValueError(f"the KV pool must be a CPU tensor, got {pool.device}")
+        if not pool.is_contiguous():
+            raise ValueError("the KV pool must be contiguous")
+        if pool.dim() < 1 or pool.shape[0] < 1 or pool.numel() == 0:
+            raise ValueError(f"the KV pool needs at least one non-empty block, got {tuple(pool.shape)}")
+        nbytes = pool.numel() * pool.element_size()
+        return cls(pool.data_ptr(), pool.shape[0], nbytes // pool.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """Counters every transport keeps and reports in `health()`."""
+
+    reads: int = 0
+    reads_done: int = 0
+    reads_failed: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    last_read_ms: float | None = None
+    last_read_gbps: float | None = None
+    last_error: str | None = None
+    notifs_sent: int = 0
+    notifs_received: int = 0
+
+    def finished(self, h: XferHandle) -> None:
+        """Count a handle that just became DONE or FAILED."""
+        if h.state is XferState.DONE:
+            self.reads_done += 1
+            self.bytes_read += h.nbytes
+            self.read_seconds += h.elapsed_s
+            self.last_read_ms = round(h.elapsed_s * 1e3, 3)
+            if h.nbytes and h.elapsed_s > 0:
+                self.last_read_gbps = round(h.nbytes / h.elapsed_s / 1e9, 3)
+        elif h.state is XferState.FAILED:
+            self.reads_failed += 1
+            self.last_error = h.error
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__slots__}
+        d["read_seconds"] = round(self.read_seconds, 6)
+        return d
+
+
+def check_block_ids(local: Sequence[int], remote: Sequence[int], local_blocks: int,
+                    remote_blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Validate a READ's block ids (ValueError) and return them as tuples of int."""
+    if len(local) != len(remote):
+        raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
+    loc = tuple(int(b) for b in local)
+    rem = tuple(int(b) for b in remote)
+    for name, ids, n in (("local", loc, local_blocks), ("remote", rem, remote_blocks)):
+        bad = [b for b in ids if not 0 <= b < n]
+        if bad:
+            raise ValueError(f"{name} block ids out of range [0, {n}): {bad[:8]}")
+    if len(set(loc)) != len(loc):
+        raise ValueError("local block ids must be distinct (two blocks would land in one)")
+    return loc, rem
+
+
+def runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Split block ids into maximal runs of consecutive ids: [(first_id, count), ...]."""
+    out: list[tuple[int, int]] = []
+    for b in ids:
+        if out and out[-1][0] + out[-1][1] == b:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((b, 1))
+    return out
+
+
+class KVTransport(ABC):
+    """Moves whole KV blocks between workers by one-sided READs, with completion notifications.
+
+    Threading: call every method from one thread (the worker's loop). Implementations may use
+    internal threads; they never call back into the caller. Nothing here blocks for long: `read`
+    returns at once (NIXL over CMA may copy inside `read`/`poll`, on the caller's thread; there is
+    no DMA engine on a CPU), `poll` and `get_notifs` never wait.
+    """
+
+    engine_id: str
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """Short transport name: "nixl" or "tcp"."""
+
+    @abstractmethod
+    def register(self, pool: torch.Tensor) -> None:
+        """Register this worker's KV pool. Call exactly once, before `metadata`.
+
+        `pool` is a contiguous CPU tensor whose first dimension is the block index (any dtype);
+        the transport keeps a reference and reads/writes its memory in place for its lifetime.
+        """
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """Everything a peer needs to `connect` to us (opaque; carried by the side channel)."""
+
+    @abstractmethod
+    def connect(self, peer: str, peer_metadata: bytes) -> None:
+        """Prepare to read from `peer` (the remote engine id) using its `metadata()`.
+
+        Idempotent: connecting again with the same metadata does nothing; new metadata for a
+        known peer (it restarted) replaces the old connection. Raises ValueError if the
+        metadata is not for `peer` or its block size differs from ours.
+        """
+
+    @abstractmethod
+    def read(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
+             notif: bytes) -> XferHandle:
+        """Start READing remote blocks into local blocks; return at once.
+
+        `remote_block_ids[i]` lands in `local_block_ids[i]`. After the data has landed the
+        holder gets `notif` from `get_notifs()` (sender = our engine id); if the read fails the
+        holder gets nothing and relies on its own lease/TTL. ValueError if the lists differ in
+        length, an id is out of range, or local ids repeat; RuntimeError if `peer` is not
+        connected. An empty read moves nothing, still notifies, and is DONE at once.
+        """
+
+    @abstractmethod
+    def poll(self, handle: XferHandle) -> XferState:
+        """PENDING, DONE or FAILED (then `handle.error` says why). Never blocks.
+
+        A read that has not finished `timeout_s` after it started is FAILED (a dead or stuck
+        peer never hangs the caller). Once FAILED is returned, no more data is written into the
+        local blocks unless `handle.error` says cancelling failed.
+        """
+
+    @abstractmethod
+    def release(self, handle: XferHandle) -> None:
+        """Free the handle's resources. Releasing a PENDING read cancels it (best effort)."""
+
+    @abstractmethod
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        """Send `msg` to a connected peer without moving data (e.g. the reader declined)."""
+
+    @abstractmethod
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        """Notifications received since the last call, as (sender engine id, msg). Never blocks."""
+
+    @abstractmethod
+    def disconnect(self, peer: str) -> None:
+        """Forget `peer`; unknown peers are ignored. Reads in flight to it fail."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Disconnect everything, stop threads, unregister the pool. Idempotent."""
+
+    @abstractmethod
+    def health(self) -> dict:
+        """JSON-serialisable state: transport details, counters, `warnings` (list of str)."""
+
+
+def make_transport(kind: str, **kw) -> KVTransport:
+    """Create a transport: kind "nixl" (NIXL with the UCX backend) or "tcp" (built in).
+
+    Keyword arguments go to the implementation (`engine_id`, `timeout_s`, `host`, ...).
+    """
+    if kind == "tcp":
+        from duplexkv.kv.transport.tcp import TcpTransport
+
+        return TcpTransport(**kw)
+    if kind == "nixl":
+        try:
+            import nixl  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(
+                f"the nixl transport needs NIXL, which is not importable ({e}). Install it after "
+                f"torch, without dependencies so that no CUDA torch is pulled in: "
+                f"`{NIXL_INSTALL_HINT}`; or use the built-in transport "
+                f"(kv_connector \"TcpConnector\")") from e
+        from duplexkv.kv.transport.nixl import NixlTransport
+
+        return NixlTransport(**kw)
+    raise ValueError(f"unknown KV transport {kind!r}; use 'nixl' or 'tcp'")

@@ -1,0 +1,109 @@
+"""Real `duplexkv serve` worker processes on loopback, for the multi-process tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+DUPLEXKV = str(Path(sys.executable).parent / "duplexkv")
+MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+@dataclass
+class Worker:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+    name: str = ""
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120))
+
+    def post(self, path: str, body: dict | str, **kw) -> httpx.Response:
+        content = body if isinstance(body, str) else json.dumps(body)
+        return self.client.post(self.url + path, content=content,
+                                headers={"content-type": "application/json"}, **kw)
+
+    def get(self, path: str) -> httpx.Response:
+        return self.client.get(self.url + path)
+
+    def health(self) -> dict:
+        return self.get("/health").json()
+
+    def kv(self) -> dict:
+        return self.health()["kv_transfer"]
+
+    def assert_integrity(self) -> dict:
+        r = self.get("/debug/engine").json()
+        assert r["integrity"] == "ok", r
+        return r
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.client.close()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = None,
+                 timeout_s: float = 120) -> Worker:
+    cmd = [DUPLEXKV, "serve", str(model), "--host", "127.0.0.1", "--port", "0",
+           "--dtype", "float32", *args]
+    if kv is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv)]
+    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = re.search(r"serving .* on (http://[\d.]+:\d+)", log.read_text(errors="replace"))
+        if m and httpx.get(m.group(1) + "/health", timeout=10).status_code == 200:
+            return Worker(m.group(1), proc, log, Path(model).name)
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited ({proc.returncode}):\n{log.read_text()}")
+        time.sleep(0.1)
+    proc.kill()
+    raise TimeoutError(f"worker not ready after {timeout_s}s:\n{log.read_text()}")
+
+
+def kv_config(connector: str, **extra) -> dict:
+    return {"kv_connector": connector, "kv_role": "kv_both",
+            "kv_load_failure_policy": extra.pop("policy", "recompute"),
+            "kv_connector_extra_config": extra}
+
+
+def prefill_leg(p: Worker, path: str, body: dict, params: dict | None = None) -> dict:
+    """The router's P leg: max_tokens=1, no stream; returns P's response JSON."""
+    leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
+    leg.update(max_tokens=1, stream=False, kv_transfer_params=params or dict(MISS))
+    r = p.post(path, leg)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def decode_leg(d: Worker, path: str, body: dict, params: dict | None) -> httpx.Response:
+    return d.post(path, {**body, "kv_transfer_params": params})
+
+
+def sse_events(resp: httpx.Response) -> list[dict]:
+    out = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    assert resp.text.rstrip().endswith("data: [DONE]")
+    return out
