@@ -131,9 +131,9 @@ class KVConnector:
             released += 1
         return released
 
-    def _serve_verify(self, request_id: str, hashes: list, tail: list) -> dict:
+    def _serve_verify(self, request_id: str, hashes: list, tokens: list) -> dict:
         claim_s = self.cfg.read_timeout_s + self.cfg.expiry_margin_s
-        r = self.retained.verify_and_claim(request_id, hashes, tail, claim_s)
+        r = self.retained.verify_and_claim(request_id, hashes, tokens, claim_s)
         return {"matched": r.matched_tokens, "expiry": r.expiry, "reason": r.reason}
 
     def _serve_heartbeat(self, request_ids: list) -> dict:
@@ -157,11 +157,9 @@ class KVConnector:
         self.sched.park(seq)
         pull = Pull(seq, p, threshold)
         self.pulls[seq.request_id] = pull
-        hashes = hash_token_blocks(self.bm.seed, seq.prompt_token_ids[: p.remote_num_tokens],
-                                   self.bs)
-        tail_start = len(hashes) * self.bs
-        tail = seq.prompt_token_ids[tail_start : min(tail_start + self.bs, p.remote_num_tokens)]
-        self.pool.submit(self._verify_job, seq.request_id, p, hashes, tail)
+        tokens = seq.prompt_token_ids[: p.remote_num_tokens]
+        hashes = hash_token_blocks(self.bm.seed, tokens, self.bs)
+        self.pool.submit(self._verify_job, seq.request_id, p, hashes, tokens)
 
     def _peer(self, p: KVTransferParams) -> side_channel.PeerInfo:
         info = self.peers.get(p.remote_engine_id)
@@ -182,11 +180,11 @@ class KVConnector:
             self.peers[p.remote_engine_id] = info
         return info
 
-    def _verify_job(self, rid: str, p: KVTransferParams, hashes: list, tail: list) -> None:
+    def _verify_job(self, rid: str, p: KVTransferParams, hashes: list, tokens: list) -> None:
         try:
             info = self._peer(p)
             reply = side_channel.request(p.remote_host, p.remote_port,
-                                         ["verify", p.remote_request_id, hashes, tail],
+                                         ["verify", p.remote_request_id, hashes, tokens],
                                          self.cfg.read_timeout_s)
             self.results.put((rid, info, reply, None))
         except Exception as e:

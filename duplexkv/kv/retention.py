@@ -41,19 +41,19 @@ class VerifyResult(NamedTuple):
     reason: str  # "" or why nothing matched ("unknown", "expired")
 
 
-def match_tokens(entry: Retained, hashes: list[bytes], tail: list[int], block_size: int) -> int:
-    """Leading tokens where the holder's blocks equal the reader's prompt, by position."""
+def match_tokens(entry: Retained, hashes: list[bytes], tokens: list[int], block_size: int) -> int:
+    """Leading tokens where the holder's blocks equal the reader's prompt, by position: whole
+    blocks by chained hash, then token by token inside the first block that differs."""
     n = 0
     while n < min(len(hashes), len(entry.hashes)) and hashes[n] == entry.hashes[n]:
         n += 1
-    matched = n * block_size
-    if n == len(hashes):  # every full block the reader sent matched: compare its partial block
-        theirs = entry.token_ids[matched : matched + block_size]
-        k = 0
-        while k < min(len(tail), len(theirs)) and tail[k] == theirs[k]:
-            k += 1
-        matched += k
-    return min(matched, len(entry.token_ids))
+    start = n * block_size
+    ours = entry.token_ids[start : start + block_size]
+    theirs = tokens[start : start + block_size]
+    k = 0
+    while k < min(len(ours), len(theirs)) and ours[k] == theirs[k]:
+        k += 1
+    return start + k
 
 
 class RetentionTable:
@@ -91,7 +91,7 @@ class RetentionTable:
                 self.released[why] += 1
             return entry
 
-    def verify_and_claim(self, request_id: str, hashes: list[bytes], tail: list[int],
+    def verify_and_claim(self, request_id: str, hashes: list[bytes], tokens: list[int],
                          claim_s: float) -> VerifyResult:
         now = time.perf_counter()
         with self._lock:
@@ -100,7 +100,7 @@ class RetentionTable:
                 return VerifyResult(0, 0.0, "unknown")
             if entry.expiry <= now and not entry.claimed(now):
                 return VerifyResult(0, entry.expiry, "expired")
-            matched = match_tokens(entry, hashes, tail, self.block_size)
+            matched = match_tokens(entry, hashes, tokens, self.block_size)
             if matched > 0:
                 entry.claimed_until = max(entry.claimed_until, now + claim_s)
                 entry.expiry = max(entry.expiry, entry.claimed_until)

@@ -2,7 +2,7 @@
 
     reader (REQ)                                    holder (ROUTER, own thread)
     ["meta"]                                   ->   Handshake fields + holder perf_counter
-    ["verify", req_id, [hash...], [tail tok]]  ->   {"matched": n, "expiry": t, "reason": r}
+    ["verify", req_id, [hash...], [token...]]  ->   {"matched": n, "expiry": t, "reason": r}
     ["hb", [req_id...]]                        ->   {"known": n}
 Data moves over the transport; the completion notification travels with the READ.
 """

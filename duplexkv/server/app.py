@@ -40,10 +40,13 @@ async def _snapshot(aeng: AsyncEngine) -> EngineSnapshot | None:
 
 
 def build_app(aeng: AsyncEngine, served_model_name: str,
-              health_extra: Callable[[], dict] | None = None) -> FastAPI:
+              health_extra: Callable[[], dict] | None = None,
+              collectors: tuple = ()) -> FastAPI:
     """The app for one engine; `health_extra()` adds fields to /health (e.g. the KV layer's)."""
     app = FastAPI(title="duplexkv worker", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(served_model_name)
+    for collector in collectors:  # e.g. the KV connector's
+        metrics.registry.register(collector)
     serving = OpenAIServing(aeng, served_model_name, metrics)
     created = int(time.time())
     app.state.aeng, app.state.metrics, app.state.serving = aeng, metrics, serving

@@ -10,15 +10,17 @@ from duplexkv.engine.async_engine import AsyncEngine
 from duplexkv.kv.config import KVTransferConfig
 
 
-def attach_kv_transfer(aeng: AsyncEngine, kv_config: dict | None,
-                       args: argparse.Namespace) -> Callable[[], dict] | None:
-    """Wire the KV connector into `aeng` per `--kv-transfer-config`; return the function whose
-    dict is merged into /health, or None without a config. Bad settings raise ValueError."""
+def attach_kv_transfer(aeng: AsyncEngine, kv_config: dict | None, args: argparse.Namespace
+                       ) -> tuple[Callable[[], dict] | None, tuple]:
+    """Wire the KV connector into `aeng` per `--kv-transfer-config`. Returns the function whose
+    dict is merged into /health and the Prometheus collectors to add (None, () without a
+    config). Bad settings raise ValueError."""
     cfg = KVTransferConfig.parse(kv_config)
     if cfg is None:
-        return None
+        return None, ()
     from duplexkv.kv.connector import KVConnector  # imports the transport libraries
+    from duplexkv.kv.metrics import KVCollector
 
     connector = KVConnector(cfg, aeng)
     atexit.register(connector.close)
-    return lambda: {"kv_transfer": connector.health()}
+    return (lambda: {"kv_transfer": connector.health()}), (KVCollector(connector),)

@@ -205,7 +205,12 @@ class KVTransport(ABC):
 
     @abstractmethod
     def send_notif(self, peer: str, msg: bytes) -> None:
-        """Send `msg` to a connected peer without moving data (e.g. the reader declined)."""
+        """Send `msg` to a connected peer without moving data (e.g. the reader declined).
+
+        Ordered after earlier reads to the same peer. Best effort: if the peer is gone the
+        failure is logged and counted in `health()`, not raised (it has nothing left to free).
+        RuntimeError if `peer` is not connected.
+        """
 
     @abstractmethod
     def get_notifs(self) -> list[tuple[str, bytes]]:

@@ -77,6 +77,8 @@ class NixlTransport(KVTransport):
         self._peers: dict[str, _Peer] = {}
         self._pending: set[XferHandle] = set()
         self._zombies: list[object] = []  # NIXL requests that could not be cancelled yet
+        self._backlog: list[tuple[str, bytes]] = []  # notifications seen while settling
+        self.notif_errors = 0
         self._closed = False
 
     def _warn(self, msg: str) -> None:
@@ -206,6 +208,7 @@ class NixlTransport(KVTransport):
         h._finish(XferState.FAILED, error)
         self._pending.discard(h)
         self.stats.finished(h)
+        self._settle()
 
     def poll(self, handle: XferHandle) -> XferState:
         if handle.state is not XferState.PENDING:
@@ -237,16 +240,27 @@ class NixlTransport(KVTransport):
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         self._peer(peer)
-        self.agent.send_notif(peer, bytes(msg))
         self.stats.notifs_sent += 1
+        try:
+            self.agent.send_notif(peer, bytes(msg))
+        except Exception as e:  # the peer is gone: it has nothing left to free
+            self.notif_errors += 1
+            log.warning("notification to %s failed: %s: %s", peer, type(e).__name__, e)
+            self._settle()
+
+    def _settle(self) -> None:
+        """Progress UCX once so endpoints in error get cleaned up (UCX asserts at teardown
+        otherwise); keep whatever notifications arrive for the next `get_notifs`."""
+        for name, msgs in self.agent.get_new_notifs().items():
+            self._backlog += [(str(name), bytes(m)) for m in msgs]
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
         if self._closed:
             return []
         if self._zombies:
             self._retry_zombies()
-        out = [(str(name), bytes(m)) for name, msgs in self.agent.get_new_notifs().items()
-               for m in msgs]
+        self._settle()
+        out, self._backlog = self._backlog, []
         self.stats.notifs_received += len(out)
         return out
 
@@ -265,6 +279,7 @@ class NixlTransport(KVTransport):
             return
         for h in [h for h in self._pending if h.peer == peer]:
             self._fail(h, f"disconnected from {peer!r}")
+        self._settle()
         try:
             p.remote_dlist.release()
             self.agent.remove_remote_agent(peer)
@@ -276,6 +291,7 @@ class NixlTransport(KVTransport):
             return
         for peer in list(self._peers):
             self.disconnect(peer)
+        self._settle()
         self._retry_zombies()
         try:
             if self._local_dlist is not None:
@@ -295,5 +311,6 @@ class NixlTransport(KVTransport):
                              "same_host": meta.same_host(p.header)}
                       for name, p in self._peers.items()},
             "in_flight": len(self._pending), "uncancelled": len(self._zombies),
+            "notif_errors": self.notif_errors,
             **self.stats.as_dict(), "warnings": list(self.warnings),
         }

@@ -1,0 +1,44 @@
+"""Prometheus view of the KV connector: pulls, declines by reason, retention and releases."""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+class KVCollector(Collector):
+    def __init__(self, connector) -> None:
+        self.c = connector
+
+    def collect(self):
+        c = self.c.counters
+        yield CounterMetricFamily("duplexkv_kv_pulls", "Completed KV READs from other workers",
+                                  value=c["pulls"])
+        yield CounterMetricFamily("duplexkv_kv_pull_tokens", "Tokens of KV READ from other workers",
+                                  value=c["pulled_tokens"])
+        yield CounterMetricFamily("duplexkv_kv_pull_bytes", "Bytes of KV READ from other workers",
+                                  value=c["pulled_bytes"])
+        yield CounterMetricFamily("duplexkv_kv_pull_seconds", "Time spent in KV READs",
+                                  value=c["transfer_ms"] / 1e3)
+        declined = CounterMetricFamily("duplexkv_kv_pull_declined",
+                                       "Remote KV not used, by reason", labels=["reason"])
+        for reason in ("threshold", "mismatch", "expired", "failed", "no_room", "unknown",
+                       "local_hit", *c["declined"]):
+            if reason not in {m.labels["reason"] for m in declined.samples}:
+                declined.add_metric([reason], c["declined"].get(reason, 0))
+        yield declined
+        retained = CounterMetricFamily("duplexkv_kv_retained", "Finished requests whose blocks "
+                                       "were kept for another worker", labels=["kind"])
+        for kind, n in c["retained"].items():
+            retained.add_metric([kind], n)
+        yield retained
+        st = self.c.retained.stats()
+        released = CounterMetricFamily("duplexkv_kv_retained_released",
+                                       "Retained entries released, by why", labels=["why"])
+        for why, n in st["released"].items():
+            released.add_metric([why], n)
+        yield released
+        yield GaugeMetricFamily("duplexkv_kv_retained_entries", "Entries held for other workers",
+                                value=st["entries"])
+        yield GaugeMetricFamily("duplexkv_kv_retained_blocks", "Blocks held for other workers",
+                                value=st["blocks"])
