@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from duplexkv.engine.staging import Mirror
+
 
 @dataclass(slots=True)
 class SeqAttn:
@@ -26,6 +28,7 @@ class SeqAttn:
     start: int  # tokens already in the pool before this step
     block_table: torch.Tensor  # int64 block ids covering start + num_new tokens
     mask: torch.Tensor | None  # [num_new, start + num_new] bool, when needed
+    mirror: Mirror | None = None  # contiguous copy of the context (see staging.py)
 
     @property
     def ctx_len(self) -> int:
@@ -58,13 +61,19 @@ def reset_context() -> None:
 
 
 def build_seq_attn(q_start: int, num_new: int, start: int, block_ids: list[int],
-                   block_size: int) -> SeqAttn:
+                   block_size: int, mirror: Mirror | None = None) -> SeqAttn:
     ctx_len = start + num_new
     table = torch.tensor(block_ids[: -(-ctx_len // block_size)], dtype=torch.long)
     mask = None
     if start > 0 and num_new > 1:
         mask = torch.ones(num_new, ctx_len, dtype=torch.bool).tril(start)
-    return SeqAttn(q_start, num_new, start, table, mask)
+    return SeqAttn(q_start, num_new, start, table, mask, mirror)
+
+
+def _gather(pool: torch.Tensor, s: SeqAttn, layer: int, kv: int, num_kv: int,
+            head_dim: int) -> torch.Tensor:
+    """K (kv=0) or V (kv=1) of the sequence's blocks, contiguous as [tokens, KVH, D]."""
+    return pool[s.block_table, layer, kv].view(-1, num_kv, head_dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
@@ -78,14 +87,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     out = torch.empty_like(q)
     for s in ctx.seqs:
         rows = slice(s.q_start, s.q_start + s.num_new)
-        if s.start == 0:
-            sk, sv = k[rows], v[rows]
+        m = s.mirror
+        if m is not None:
+            mk, mv = m.kv[layer, 0], m.kv[layer, 1]  # [KVH, cap, D]
+            if m.rebuild and s.start > 0:
+                mk[:, : s.start] = _gather(pool, s, layer, 0, num_kv, k.shape[-1])[: s.start] \
+                    .transpose(0, 1)
+                mv[:, : s.start] = _gather(pool, s, layer, 1, num_kv, k.shape[-1])[: s.start] \
+                    .transpose(0, 1)
+            mk[:, s.start : s.ctx_len] = k[rows].transpose(0, 1)
+            mv[:, s.start : s.ctx_len] = v[rows].transpose(0, 1)
+            sk, sv = mk[None, :, : s.ctx_len], mv[None, :, : s.ctx_len]
         else:
-            # gather K and V separately: each comes out contiguous as [nb, bs, KVH, D]
-            sk = pool[s.block_table, layer, 0].view(-1, num_kv, k.shape[-1])[: s.ctx_len]
-            sv = pool[s.block_table, layer, 1].view(-1, num_kv, k.shape[-1])[: s.ctx_len]
-        # SDPA's fast CPU kernel needs 4-D [batch, heads, len, dim]; 3-D takes the math path
-        sk, sv = sk.transpose(0, 1)[None], sv.transpose(0, 1)[None]  # [1, KVH, S, D]
+            if s.start == 0:
+                sk, sv = k[rows], v[rows]
+            else:
+                sk = _gather(pool, s, layer, 0, num_kv, k.shape[-1])[: s.ctx_len]
+                sv = _gather(pool, s, layer, 1, num_kv, k.shape[-1])[: s.ctx_len]
+            # SDPA's fast CPU kernel needs 4-D [batch, heads, len, dim]; 3-D takes the math path
+            sk, sv = sk.transpose(0, 1)[None], sv.transpose(0, 1)[None]  # [1, KVH, S, D]
         if s.num_new == 1:
             # one query: fold the query heads of a KV group into the query-length axis
             qh = q[rows].view(1, num_kv, group, -1)

@@ -7,13 +7,14 @@ import torch
 from duplexkv.engine.attention import AttnContext, build_seq_attn, reset_context, set_context
 from duplexkv.engine.kv_pool import DTYPE, allocate_pool
 from duplexkv.engine.scheduler import ScheduledSeq
+from duplexkv.engine.staging import MirrorSet
 from duplexkv.model.config import ModelConfig
 from duplexkv.model.qwen3 import CausalLM
 
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: str,
-                 block_size: int, num_blocks: int) -> None:
+                 block_size: int, num_blocks: int, mirror_budget_bytes: int = 1 << 30) -> None:
         self.cfg = cfg
         self.dtype = DTYPE[dtype]
         self.block_size = block_size
@@ -27,11 +28,14 @@ class ModelRunner:
         model.load_hf_weights(weights)
         self.model = model.eval()
         self.pool = allocate_pool(cfg, block_size, self.dtype, num_blocks)
+        self.mirrors = MirrorSet(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                 mirror_budget_bytes)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
         """Compute the batch; returns float32 logits for the sequences that sample, in order."""
         bs = self.block_size
+        self.mirrors.drop_unless({item.seq.request_id for item in batch})
         ids, pos, blocks, offsets, seqs, sample_rows = [], [], [], [], [], []
         row = 0
         for item in batch:
@@ -43,7 +47,8 @@ class ModelRunner:
             pos.extend(p)
             blocks.extend(seq.block_table[i // bs] for i in p)
             offsets.extend(i % bs for i in p)
-            seqs.append(build_seq_attn(row, n, start, seq.block_table, bs))
+            mirror = self.mirrors.prepare(seq.request_id, start, start + n)
+            seqs.append(build_seq_attn(row, n, start, seq.block_table, bs, mirror))
             row += n
             if item.samples:
                 sample_rows.append(row - 1)
@@ -52,6 +57,9 @@ class ModelRunner:
             hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.pool)
         finally:
             reset_context()
+        for sa, item in zip(seqs, batch):
+            if sa.mirror is not None:
+                sa.mirror.length = sa.ctx_len
         if not sample_rows:
             return None
         return self.model.logits(hidden[sample_rows])

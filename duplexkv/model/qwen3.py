@@ -22,10 +22,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # fused kernel; bit-identical to HF's formula in float32
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -62,16 +60,24 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x, cos, sin, pool):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv, self.head_dim)
-        v = v.view(-1, self.num_kv, self.head_dim)
+        n_qk = self.num_heads + self.num_kv
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side: one norm and one RoPE for both
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, n_qk, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            qk = F.rms_norm(qk, (self.head_dim,), None, self.q_norm.eps) * self.qk_norm_weight
+        qk = qk * cos + rotate_half(qk) * sin
+        q, k = qk.split([self.num_heads, self.num_kv], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv, self.head_dim)
         o = paged_attention(q, k, v, pool, self.layer, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
+
+    def fuse_qk_norm(self) -> None:
+        """Stack q_norm and k_norm weights per head (call after loading weights)."""
+        if self.qk_norm:
+            w = torch.cat([self.q_norm.weight.expand(self.num_heads, -1),
+                           self.k_norm.weight.expand(self.num_kv, -1)])
+            self.register_buffer("qk_norm_weight", w.detach().clone(), persistent=False)
 
 
 class MLP(nn.Module):
@@ -150,3 +156,4 @@ class CausalLM(nn.Module):
             layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            attn.fuse_qk_norm()

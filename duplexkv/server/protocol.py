@@ -37,6 +37,7 @@ class GenerateRequest:
     min_tokens: int = 0
     stream: bool = False
     include_usage: bool = False
+    return_token_ids: bool = False  # vLLM extension: token ids on each choice
     kv_transfer_params: dict | None = None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -126,7 +127,7 @@ def parse_request(body: dict, kind: Kind) -> GenerateRequest:
         "stop_token_ids": _int_list(body.get("stop_token_ids"), "stop_token_ids"),
         "ignore_eos": f.boolean("ignore_eos"), "min_tokens": f.integer("min_tokens", 0),
         "stream": stream, "include_usage": bool(stream and include_usage),
-        "kv_transfer_params": kv}
+        "return_token_ids": f.boolean("return_token_ids"), "kv_transfer_params": kv}
     if kind == "completion":
         if "prompt" not in body or body["prompt"] is None:
             raise bad_request("`prompt` is required", "prompt")

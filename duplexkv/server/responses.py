@@ -42,6 +42,7 @@ class Formatter:
     response_id: str
     model: str
     include_usage: bool = False
+    return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -60,6 +61,9 @@ class Formatter:
         else:
             choice = {"index": 0, "text": out.text, "logprobs": None,
                       "finish_reason": out.finish_reason, "stop_reason": None}
+        if self.return_token_ids:
+            choice["prompt_token_ids"] = out.prompt_token_ids
+            choice["token_ids"] = out.token_ids
         return {**self._head(self._object), "choices": [choice], "usage": usage(out),
                 "kv_stats": kv_stats(out), "kv_transfer_params": out.kv_transfer_params}
 
@@ -85,8 +89,15 @@ class Formatter:
     def chunk(self, out: RequestOutput) -> str | None:
         """The SSE line for one engine output (None when it carries nothing new)."""
         if not out.finished:
-            return sse(self._chunk(out.new_text, None)) if out.new_text else None
+            if not out.new_text and not (self.return_token_ids and out.new_token_ids):
+                return None
+            body = self._chunk(out.new_text, None)
+            if self.return_token_ids:
+                body["choices"][0]["token_ids"] = out.new_token_ids
+            return sse(body)
         body = self._chunk(out.new_text, out.finish_reason)
+        if self.return_token_ids:
+            body["choices"][0]["token_ids"] = out.new_token_ids
         body["kv_stats"] = kv_stats(out)
         body["kv_transfer_params"] = out.kv_transfer_params
         return sse(body)

@@ -174,7 +174,8 @@ class OpenAIServing:
             return e.response()
         rid, resp_id = self.ids.claim(request.headers.get("x-request-id"), kind)
         ctx = RequestCtx(rid, resp_id, endpoint, arrival)
-        fmt = Formatter(kind, resp_id, self.model, prep.req.include_usage)
+        fmt = Formatter(kind, resp_id, self.model, prep.req.include_usage,
+                        prep.req.return_token_ids)
         headers = {"X-Request-Id": rid}
         log.info("%s %s: prompt=%d max_tokens=%d stream=%s kv_transfer=%s", rid, endpoint,
                  len(prep.prompt_ids), prep.params.max_tokens, prep.req.stream,

@@ -1,0 +1,124 @@
+"""The reuse ratio that matters: P's time to first token for the next turn of a conversation
+whose history is already on D, three ways, measured in one run on the `bench` model:
+
+    pull      P has nothing local; it verifies and READs the history's KV from D, computes the rest
+    local     P's own prefix cache already holds the history (the ideal)
+    recompute P computes the whole prompt
+
+History 2k/8k/16k tokens plus a 256-token new user turn. Targets: pull within 1.1x of local at
+16k, and at least 10x faster than recompute at 16k.
+
+    .venv/bin/python benchmarks/reuse.py [--lengths 2048 8192 16384] [--connector TcpConnector]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from duplexkv.launch import bidirectional_kv, spawn, wait_ready, worker_args
+
+MISS = {"do_remote_decode": True, "do_remote_prefill": False}
+NEW_TURN = 256
+
+
+def p_leg(client: httpx.Client, url: str, prompt: list[int], params: dict) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    r = client.post(url + "/v1/completions", json={
+        "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+        "kv_transfer_params": params})
+    dt = time.perf_counter() - t0
+    r.raise_for_status()
+    return dt, r.json()
+
+
+def d_turn(client: httpx.Client, p_url: str, d_url: str, prompt: list[int],
+           answer: int) -> tuple[dict, list[int]]:
+    """Put a finished turn on D: P computes `prompt`, D reads it and generates `answer` tokens."""
+    _, pj = p_leg(client, p_url, prompt, MISS)
+    r = client.post(d_url + "/v1/completions", json={
+        "prompt": prompt, "max_tokens": answer, "temperature": 0, "ignore_eos": True,
+        "kv_transfer_params": pj["kv_transfer_params"], "return_token_ids": True})
+    r.raise_for_status()
+    j = r.json()
+    return j["kv_transfer_params"], j
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bench")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
+    ap.add_argument("--connector", default="TcpConnector", choices=["TcpConnector",
+                                                                    "NixlConnector"])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    max_len = max(args.lengths) + NEW_TURN + 64
+    common = ["--max-model-len", str(max(max_len, 4096)), "--kv-cache-memory", "1.0"]
+    kv = bidirectional_kv(args.connector)
+    logs = Path(tempfile.mkdtemp(prefix="duplexkv-reuse-"))
+    procs = [
+        spawn("p", worker_args(args.model, kv, *common, "--no-enable-prefix-caching"), logs),
+        spawn("p_local", worker_args(args.model, kv, *common), logs),
+        spawn("d", worker_args(args.model, kv, *common), logs),
+    ]
+    try:
+        wait_ready(procs)
+        p, p_local, d = (x.url for x in procs)
+        client = httpx.Client(timeout=600)
+        print(f"workers up (logs in {logs}); connector {args.connector}")
+        rows = []
+        vocab = 4000  # ids valid for every preset (tiny has 4096)
+        for n, hist in enumerate(args.lengths):
+            res = {"pull": [], "local": [], "recompute": [], "pulled_tokens": [],
+                   "transfer_ms": []}
+            for rep in range(args.reps + 1):  # rep 0 warms up (handshakes, allocations)
+                base = [(7919 * (i + 1000 * rep + 97 * n)) % (vocab - 10) + 5
+                        for i in range(hist - 64)]
+                d_params, dj = d_turn(client, p, d, base, 65)
+                history = base + dj["choices"][0]["token_ids"]
+                prompt = history + [(31 * i + rep) % (vocab - 10) + 5 for i in range(NEW_TURN)]
+                pull_s, pj = p_leg(client, p, prompt, {**d_params, **MISS})
+                p_leg(client, p_local, history + [5], MISS)  # warm P's own cache
+                local_s, lj = p_leg(client, p_local, prompt, MISS)
+                rec_s, rj = p_leg(client, p, prompt, MISS)
+                if rep == 0:
+                    continue
+                res["pull"].append(pull_s)
+                res["local"].append(local_s)
+                res["recompute"].append(rec_s)
+                res["pulled_tokens"].append(pj["kv_stats"]["pulled_tokens"])
+                res["transfer_ms"].append(pj["kv_stats"]["transfer_ms"])
+            med = {k: statistics.median(v) for k, v in res.items()}
+            row = {"history": hist, "prompt": len(prompt), **med,
+                   "pull_vs_local": med["pull"] / med["local"],
+                   "recompute_vs_pull": med["recompute"] / med["pull"]}
+            rows.append(row)
+            print(f"history {hist:6d}: pull {med['pull'] * 1e3:8.1f} ms "
+                  f"(pulled {med['pulled_tokens']:.0f} tok, transfer {med['transfer_ms']:.1f} ms)"
+                  f"  local {med['local'] * 1e3:8.1f} ms  recompute {med['recompute'] * 1e3:8.1f}"
+                  f" ms  pull/local {row['pull_vs_local']:.2f}x  recompute/pull "
+                  f"{row['recompute_vs_pull']:.1f}x", flush=True)
+        print("\n| history | pull from D | local hit (ideal) | recompute | pull / local | "
+              "recompute / pull | pulled tokens | transfer |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['history']} | {r['pull'] * 1e3:.0f} ms | {r['local'] * 1e3:.0f} ms | "
+                  f"{r['recompute'] * 1e3:.0f} ms | {r['pull_vs_local']:.2f}x | "
+                  f"{r['recompute_vs_pull']:.1f}x | {r['pulled_tokens']:.0f} | "
+                  f"{r['transfer_ms']:.1f} ms |")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+    finally:
+        for x in procs:
+            x.stop()
+
+
+if __name__ == "__main__":
+    main()

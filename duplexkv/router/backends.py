@@ -1,0 +1,175 @@
+"""The worker pool: per-backend health and load, the P/D choice, and the health-check loop.
+
+    choose P   least outstanding requests among healthy prefill workers
+    choose D   the conversation's D (its prefix cache already holds the history, so the P->D read
+               shrinks to the new tail) unless it is down or has `affinity_slack` more requests in
+               flight than the least loaded D; otherwise the least loaded
+    ties       fewest picks so far, which spreads an idle pool round robin
+    health     GET /health every `interval`; a refused connection marks a worker down at once,
+               `unhealthy_after` failed checks in a row otherwise; one good check marks it up
+When every worker of a role is marked down the router still tries them (a mark can be stale):
+the client gets an error only when none answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import httpx
+
+log = logging.getLogger("duplexkv.router")
+
+
+@dataclass(slots=True, eq=False)
+class Backend:
+    url: str
+    role: str  # "prefill" | "decode"
+    healthy: bool = True  # optimistic until the first check says otherwise
+    outstanding: int = 0
+    picks: int = 0
+    failed_checks: int = 0
+    errors: int = 0
+    last_error: str = ""
+    last_check: float = 0.0
+    models: tuple[str, ...] = ()
+
+    def mark_down(self, reason: str) -> None:
+        if self.healthy:
+            log.warning("%s worker %s is down: %s", self.role, self.url, reason)
+        self.healthy = False
+        self.last_error = reason
+
+    def mark_up(self) -> None:
+        if not self.healthy:
+            log.info("%s worker %s is up again", self.role, self.url)
+        self.healthy = True
+        self.failed_checks = 0
+
+    def as_dict(self) -> dict:
+        return {"url": self.url, "role": self.role, "healthy": self.healthy,
+                "outstanding": self.outstanding, "picks": self.picks, "errors": self.errors,
+                "last_error": self.last_error or None,
+                "last_check_age_s": round(time.monotonic() - self.last_check, 3)
+                if self.last_check else None}
+
+
+@dataclass(slots=True)
+class BackendPool:
+    prefill: list[Backend]
+    decode: list[Backend]
+    affinity_slack: int = 4
+    unhealthy_after: int = 2
+    by_url: dict[tuple[str, str], Backend] = field(default_factory=dict)
+
+    @classmethod
+    def from_urls(cls, prefill: Iterable[str], decode: Iterable[str], **kw) -> "BackendPool":
+        pool = cls([Backend(u, "prefill") for u in prefill], [Backend(u, "decode") for u in decode],
+                   **kw)
+        pool.by_url = {(b.role, b.url): b for b in pool.all}
+        return pool
+
+    @property
+    def all(self) -> list[Backend]:
+        return self.prefill + self.decode
+
+    @staticmethod
+    def _least_loaded(candidates: list[Backend]) -> Backend | None:
+        if not candidates:
+            return None
+        return min(candidates, key=lambda b: (b.outstanding, b.picks))
+
+    def _candidates(self, backends: list[Backend], exclude: set[Backend]) -> list[Backend]:
+        left = [b for b in backends if b not in exclude]
+        return [b for b in left if b.healthy] or left
+
+    def choose_prefill(self, exclude: set[Backend] = frozenset()) -> Backend | None:
+        return self._pick(self._least_loaded(self._candidates(self.prefill, exclude)))
+
+    def choose_decode(self, preferred_url: str | None = None,
+                      exclude: set[Backend] = frozenset()) -> tuple[Backend | None, bool]:
+        """-> (D, whether it is the preferred one)."""
+        candidates = self._candidates(self.decode, exclude)
+        least = self._least_loaded(candidates)
+        pref = self.by_url.get(("decode", preferred_url)) if preferred_url else None
+        if (pref is not None and least is not None and pref in candidates and pref.healthy
+                and pref.outstanding <= least.outstanding + self.affinity_slack):
+            return self._pick(pref), True
+        return self._pick(least), False
+
+    @staticmethod
+    def _pick(b: Backend | None) -> Backend | None:
+        if b is not None:
+            b.picks += 1
+        return b
+
+    def models(self) -> list[str]:
+        """Model names the healthy workers serve (learned by the health checks)."""
+        seen: dict[str, None] = {}
+        for b in self.all:
+            if b.healthy:
+                seen.update(dict.fromkeys(b.models))
+        return list(seen)
+
+    def state(self) -> dict:
+        return {"prefill": [b.as_dict() for b in self.prefill],
+                "decode": [b.as_dict() for b in self.decode]}
+
+
+class HealthChecker:
+    """Polls every worker's /health (and /v1/models once it is up) on the router's client."""
+
+    def __init__(self, pool: BackendPool, client: httpx.AsyncClient, interval_s: float,
+                 timeout_s: float) -> None:
+        self.pool = pool
+        self.client = client
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(b) for b in self.pool.all))
+
+    async def _loop(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.interval_s)
+
+    async def check(self, b: Backend) -> None:
+        try:
+            r = await self.client.get(b.url + "/health", timeout=self.timeout_s)
+            ok, reason = r.status_code == 200, f"/health returned {r.status_code}"
+        except httpx.ConnectError as e:
+            ok, reason = False, f"connection failed: {e!r}"
+            b.failed_checks = self.pool.unhealthy_after  # nothing listens there: down at once
+        except httpx.HTTPError as e:
+            ok, reason = False, f"/health failed: {e!r}"
+        b.last_check = time.monotonic()
+        if ok:
+            if not b.models or not b.healthy:
+                await self._learn_models(b)
+            b.mark_up()
+            return
+        b.failed_checks += 1
+        if b.failed_checks >= self.pool.unhealthy_after:
+            b.mark_down(reason)
+
+    async def _learn_models(self, b: Backend) -> None:
+        try:
+            r = await self.client.get(b.url + "/v1/models", timeout=self.timeout_s)
+            data = r.json().get("data") if r.status_code == 200 else None
+            if isinstance(data, list):
+                b.models = tuple(m["id"] for m in data if isinstance(m, dict) and "id" in m)
+        except (httpx.HTTPError, ValueError):
+            pass

@@ -1,0 +1,57 @@
+"""Router configuration (frozen; built once from the command line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+DEFAULT_CONVERSATION_TTL_S = 450.0  # vLLM's sample proxy: below D's decoder_kv_blocks_ttl (480 s)
+
+
+def normalize_url(url: str) -> str:
+    """`host:port` or `http://host:port/` -> `http://host:port` (no trailing slash)."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) worker URL: {url!r}")
+    return url
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    store: str = "memory"  # or redis://host:port/db
+    # a stored entry must die before D frees the blocks (decoder_kv_blocks_ttl, 480 s by default)
+    conversation_ttl_s: float = DEFAULT_CONVERSATION_TTL_S
+    max_conversations: int = 100_000
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 10.0  # a busy worker answers /health between engine steps
+    unhealthy_after: int = 2  # consecutive failed checks (a refused connection counts at once)
+    # keep a conversation on its D unless that D has this many more requests in flight than the
+    # least loaded one
+    affinity_slack: int = 4
+    rewrite_remote_host: bool = True  # only when a holder reports an empty/loopback host
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ValueError("the router needs at least one --prefill and one --decode worker")
+        object.__setattr__(self, "prefill", tuple(normalize_url(u) for u in self.prefill))
+        object.__setattr__(self, "decode", tuple(normalize_url(u) for u in self.decode))
+        if self.conversation_ttl_s <= 0:
+            raise ValueError("--conversation-ttl must be > 0")
+        if self.max_conversations < 1:
+            raise ValueError("--max-conversations must be >= 1")
+        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
+            raise ValueError("health check interval and timeout must be > 0")
+        if self.unhealthy_after < 1 or self.affinity_slack < 0:
+            raise ValueError("--unhealthy-after must be >= 1 and --affinity-slack >= 0")
+        if not (self.store == "memory" or self.store.startswith(("redis://", "rediss://",
+                                                                   "unix://"))):
+            raise ValueError(f"--store must be 'memory' or a redis:// URL, got {self.store!r}")

@@ -1,0 +1,94 @@
+"""The two legs of a turn: request rewriting, `kv_transfer_params` handling, combined `kv_stats`.
+
+    P leg   client body, stream=false, max_tokens=1, without max_completion_tokens /
+            min_tokens / min_completion_tokens / stream_options, + a miss payload or D's stored
+            params with the booleans forced (do_remote_decode=true, do_remote_prefill=false)
+    D leg   client body + P's params (the client's own `stream`)
+    reply   D's answer without `kv_transfer_params`; its `kv_stats` replaced by one object that
+            combines both legs and the router's timings
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from duplexkv.router.request import ClientRequest
+
+MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+P_LEG_DROPS = ("stream_options", "max_completion_tokens", "min_tokens", "min_completion_tokens")
+
+
+def miss_params() -> dict:
+    return dict(MISS)
+
+
+def replay_params(d_params: dict) -> dict:
+    """D's stored params as a P request (protocol.md 2.7): booleans forced, engine-internal keys
+    (`_remote_blocks_processed`, ...) never sent."""
+    out = {k: v for k, v in d_params.items() if not k.startswith("_")}
+    out.update(do_remote_decode=True, do_remote_prefill=False)
+    return out
+
+
+def prefill_body(req: ClientRequest, params: dict) -> dict:
+    body = {k: v for k, v in req.body.items() if k not in P_LEG_DROPS}
+    body.update(stream=False, max_tokens=1, kv_transfer_params=params)
+    return body
+
+
+def decode_body(req: ClientRequest, params: dict | None) -> dict:
+    return {**req.body, "kv_transfer_params": params}
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host or host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified
+
+
+def rewrite_remote_host(params: dict | None, worker_url: str) -> dict | None:
+    """A holder that reports an empty/loopback side-channel host cannot be reached from another
+    machine: use the host of its HTTP URL instead, unless that is loopback too (protocol 5.4)."""
+    if not isinstance(params, dict) or "remote_host" not in params:
+        return params
+    host = urlsplit(worker_url).hostname
+    if _is_loopback(params.get("remote_host")) and not _is_loopback(host):
+        return {**params, "remote_host": host}
+    return params
+
+
+def dumps(obj: dict) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@dataclass(slots=True)
+class TurnStats:
+    """What the client sees as `kv_stats`: each worker's own report plus the router's view."""
+
+    conversation: str = "none"  # none | miss | hit | expired | retried (hit, P failed, miss)
+    prefill: dict | None = None  # P's kv_stats: local_hit / pulled-from-D / computed tokens
+    decode: dict | None = None  # D's kv_stats: local_hit / pulled-from-P tokens
+    prefill_done_ms: float | None = None  # router arrival -> P leg answered
+    first_token_ms: float | None = None  # router arrival -> first token sent (streaming)
+
+    def as_dict(self) -> dict:
+        return {"conversation": self.conversation, "prefill": self.prefill,
+                "decode": self.decode, "prefill_done_ms": self.prefill_done_ms,
+                "first_token_ms": self.first_token_ms}
+
+
+def finish_json(d_json: dict, stats: TurnStats) -> tuple[dict, dict | None]:
+    """D's non-stream answer -> (the client's answer, D's params)."""
+    params = d_json.pop("kv_transfer_params", None)
+    d_stats = d_json.get("kv_stats")
+    stats.decode = d_stats if isinstance(d_stats, dict) else None
+    d_json["kv_stats"] = stats.as_dict()
+    return d_json, params if isinstance(params, dict) else None

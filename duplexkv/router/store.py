@@ -1,0 +1,184 @@
+"""Conversation state: conversation -> D's `kv_transfer_params` of its last turn.
+
+An entry is single-use: `take` removes it atomically, so of two racing turns at most one replays
+D's blocks (the other runs as a miss). Entries expire before D frees the blocks (the router's
+TTL < D's `decoder_kv_blocks_ttl`) and the store keeps at most `max_entries` (oldest first out).
+Keys are namespaced by the caller's API key: one tenant cannot name another's conversation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+
+def conversation_key(api_key: str | None, conversation_id: str) -> str:
+    """The store key of (tenant, conversation): a digest, so neither is stored in clear."""
+    h = hashlib.sha256()
+    h.update((api_key or "").encode())
+    h.update(b"\x00")
+    h.update(conversation_id.encode())
+    return h.hexdigest()[:40]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    params: dict  # D's kv_transfer_params, opaque
+    decode_url: str  # the D that holds the blocks
+    stored_at: float  # wall clock, informational
+
+    def dumps(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def loads(cls, raw: str | bytes) -> "Entry":
+        d = json.loads(raw)
+        return cls(d["params"], d["decode_url"], float(d["stored_at"]))
+
+
+class TakeResult(NamedTuple):
+    entry: Entry | None
+    expired: bool = False  # there was one, but it outlived the TTL unused
+
+
+class PutResult(NamedTuple):
+    expired: int  # entries found expired (never used) while making room
+    evicted: int  # live entries dropped to stay within the bound
+
+
+class ConversationStore(ABC):
+    """Contract: `take` returns a live entry at most once (atomic get-and-delete) and never one
+    older than `ttl_s`; `put` replaces the key's entry and keeps at most `max_entries`."""
+
+    def __init__(self, ttl_s: float, max_entries: int) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+
+    @abstractmethod
+    async def take(self, key: str) -> TakeResult: ...
+
+    @abstractmethod
+    async def put(self, key: str, entry: Entry) -> PutResult: ...
+
+    @abstractmethod
+    async def size(self) -> int: ...
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class MemoryStore(ConversationStore):
+    """One process: an OrderedDict in expiry order (one TTL for all, so put order = expiry order)."""
+
+    def __init__(self, ttl_s: float, max_entries: int, clock=time.monotonic) -> None:
+        super().__init__(ttl_s, max_entries)
+        self._clock = clock
+        self._entries: OrderedDict[str, tuple[float, Entry]] = OrderedDict()
+
+    async def take(self, key: str) -> TakeResult:
+        item = self._entries.pop(key, None)
+        if item is None:
+            return TakeResult(None)
+        if item[0] <= self._clock():
+            return TakeResult(None, expired=True)
+        return TakeResult(item[1])
+
+    async def put(self, key: str, entry: Entry) -> PutResult:
+        now = self._clock()
+        self._entries.pop(key, None)
+        self._entries[key] = (now + self.ttl_s, entry)
+        expired = evicted = 0
+        while self._entries:
+            k, (deadline, _) = next(iter(self._entries.items()))
+            if deadline <= now:
+                expired += 1
+            elif len(self._entries) > self.max_entries:
+                evicted += 1
+            else:
+                break
+            del self._entries[k]
+        return PutResult(expired, evicted)
+
+    async def size(self) -> int:
+        return len(self._entries)
+
+
+# KEYS: entry key, index zset. ARGV: value, ttl ms, now ms, max entries.
+_PUT = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], KEYS[1])
+local expired = redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', tonumber(ARGV[3]) - tonumber(ARGV[2]))
+local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
+local evicted = 0
+if over > 0 then
+  local old = redis.call('ZPOPMIN', KEYS[2], over)
+  for i = 1, #old, 2 do
+    evicted = evicted + redis.call('DEL', old[i])
+  end
+end
+return {expired, evicted}
+"""
+# KEYS: entry key, index zset. -> {value or false, 1 if it had expired unused}
+_TAKE = """
+local v = redis.call('GET', KEYS[1])
+local indexed = redis.call('ZREM', KEYS[2], KEYS[1])
+if v then
+  redis.call('DEL', KEYS[1])
+  return {v, 0}
+end
+return {false, indexed}
+"""
+
+
+class RedisStore(ConversationStore):
+    """Shared by every router on one Redis: expiry is the key's own (PX), take is one Lua script
+    (GET+DEL+ZREM, atomic on the server), the bound is kept with a sorted set of put times.
+    Standalone Redis (the script touches keys it does not declare, so not Redis Cluster)."""
+
+    def __init__(self, url: str, ttl_s: float, max_entries: int, prefix: str = "duplexkv:conv:"
+                 ) -> None:
+        super().__init__(ttl_s, max_entries)
+        import redis.asyncio as aioredis  # only when configured
+
+        self.url = url
+        self.prefix = prefix
+        self.index = prefix + "index"
+        self.redis = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+        self._put = self.redis.register_script(_PUT)
+        self._take = self.redis.register_script(_TAKE)
+
+    async def take(self, key: str) -> TakeResult:
+        raw, expired = await self._take(keys=[self.prefix + key, self.index])
+        return TakeResult(None if raw is None else Entry.loads(raw), bool(expired))
+
+    async def put(self, key: str, entry: Entry) -> PutResult:
+        ttl_ms, now_ms = int(self.ttl_s * 1000), int(time.time() * 1000)
+        expired, evicted = await self._put(keys=[self.prefix + key, self.index],
+                                           args=[entry.dumps(), ttl_ms, now_ms, self.max_entries])
+        return PutResult(int(expired), int(evicted))
+
+    async def size(self) -> int:
+        return int(await self.redis.zcard(self.index))
+
+    async def ping(self) -> None:
+        await self.redis.ping()
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    def describe(self) -> str:
+        return f"RedisStore({self.url})"
+
+
+def make_store(url: str, ttl_s: float, max_entries: int) -> ConversationStore:
+    if url == "memory":
+        return MemoryStore(ttl_s, max_entries)
+    return RedisStore(url, ttl_s, max_entries)
