@@ -48,6 +48,7 @@ class Backend:
             log.info("%s worker %s is up again", self.role, self.url)
         self.healthy = True
         self.failed_checks = 0
+        self.last_error = ""
 
     def as_dict(self) -> dict:
         return {"url": self.url, "role": self.role, "healthy": self.healthy,
@@ -66,7 +67,7 @@ class BackendPool:
     by_url: dict[tuple[str, str], Backend] = field(default_factory=dict)
 
     @classmethod
-    def from_urls(cls, prefill: Iterable[str], decode: Iterable[str], **kw) -> "BackendPool":
+    def from_urls(cls, prefill: Iterable[str], decode: Iterable[str], **kw) -> BackendPool:
         pool = cls([Backend(u, "prefill") for u in prefill], [Backend(u, "decode") for u in decode],
                    **kw)
         pool.by_url = {(b.role, b.url): b for b in pool.all}

@@ -36,6 +36,7 @@ class RouterConfig:
     # least loaded one
     affinity_slack: int = 4
     rewrite_remote_host: bool = True  # only when a holder reports an empty/loopback host
+    upstream_http: str = "fast"  # "fast" (router.transport) or "httpcore" (httpx's default)
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
 
@@ -52,6 +53,8 @@ class RouterConfig:
             raise ValueError("health check interval and timeout must be > 0")
         if self.unhealthy_after < 1 or self.affinity_slack < 0:
             raise ValueError("--unhealthy-after must be >= 1 and --affinity-slack >= 0")
+        if self.upstream_http not in ("fast", "httpcore"):
+            raise ValueError("--upstream-http must be 'fast' or 'httpcore'")
         if not (self.store == "memory" or self.store.startswith(("redis://", "rediss://",
                                                                    "unix://"))):
             raise ValueError(f"--store must be 'memory' or a redis:// URL, got {self.store!r}")

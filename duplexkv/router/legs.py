@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from urllib.parse import urlsplit
 
 from duplexkv.router.request import ClientRequest
@@ -44,6 +45,7 @@ def decode_body(req: ClientRequest, params: dict | None) -> dict:
     return {**req.body, "kv_transfer_params": params}
 
 
+@lru_cache(maxsize=1024)
 def _is_loopback(host: str | None) -> bool:
     if not host or host == "localhost":
         return True
@@ -59,10 +61,15 @@ def rewrite_remote_host(params: dict | None, worker_url: str) -> dict | None:
     machine: use the host of its HTTP URL instead, unless that is loopback too (protocol 5.4)."""
     if not isinstance(params, dict) or "remote_host" not in params:
         return params
-    host = urlsplit(worker_url).hostname
-    if _is_loopback(params.get("remote_host")) and not _is_loopback(host):
+    host = _url_host(worker_url)
+    if not _is_loopback(host) and _is_loopback(params.get("remote_host")):
         return {**params, "remote_host": host}
     return params
+
+
+@lru_cache(maxsize=256)
+def _url_host(url: str) -> str | None:
+    return urlsplit(url).hostname
 
 
 def dumps(obj: dict) -> bytes:

@@ -29,8 +29,13 @@ class ClientRequest:
     stream: bool
     model: str | None
     conversation_id: str | None
-    api_key: str | None  # the bearer token: the tenant namespace of conversations
+    authorization: str | None  # forwarded to the workers as it is
     request_id: str | None  # the client's X-Request-Id, if any
+
+    @property
+    def api_key(self) -> str | None:
+        """The bearer token: the tenant namespace of conversations."""
+        return api_key(self.authorization)
 
     @property
     def path(self) -> str:
@@ -48,7 +53,7 @@ def parse_client_request(raw: bytes, headers: Mapping[str, str], kind: Kind) -> 
     body.pop("kv_transfer_params", None)  # never trusted from a client
     _validate(body, kind)
     return ClientRequest(kind, body, body.get("stream") is True, body.get("model"), conv,
-                         api_key(headers.get("authorization")), headers.get("x-request-id"))
+                         headers.get("authorization"), headers.get("x-request-id"))
 
 
 def api_key(authorization: str | None) -> str | None:

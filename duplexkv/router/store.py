@@ -36,7 +36,7 @@ class Entry:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
-    def loads(cls, raw: str | bytes) -> "Entry":
+    def loads(cls, raw: str | bytes) -> Entry:
         d = json.loads(raw)
         return cls(d["params"], d["decode_url"], float(d["stored_at"]))
 
@@ -68,7 +68,7 @@ class ConversationStore(ABC):
     @abstractmethod
     async def size(self) -> int: ...
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
+    async def close(self) -> None:
         pass
 
     def describe(self) -> str:
@@ -76,7 +76,7 @@ class ConversationStore(ABC):
 
 
 class MemoryStore(ConversationStore):
-    """One process: an OrderedDict in expiry order (one TTL for all, so put order = expiry order)."""
+    """One process: an OrderedDict in expiry order (one TTL for all: put order = expiry order)."""
 
     def __init__(self, ttl_s: float, max_entries: int, clock=time.monotonic) -> None:
         super().__init__(ttl_s, max_entries)
@@ -115,7 +115,8 @@ class MemoryStore(ConversationStore):
 _PUT = """
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[3], KEYS[1])
-local expired = redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', tonumber(ARGV[3]) - tonumber(ARGV[2]))
+local oldest = tonumber(ARGV[3]) - tonumber(ARGV[2])
+local expired = redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', oldest)
 local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
 local evicted = 0
 if over > 0 then

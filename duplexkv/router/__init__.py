@@ -1,0 +1,28 @@
+"""The KV-cache-aware P/D router: `duplexkv router --prefill URL... --decode URL... --port N`.
+
+One turn of a conversation (`conversation_id` in the body, or `X-Session-ID` /
+`X-Conversation-ID`), as the router runs it:
+
+    client           router                         P worker              D worker
+      | POST turn N    |                                |                     |
+      |--------------->| take(api key, conv id): D's    |                     |
+      |                | params of turn N-1, single use |                     |
+      |                | (none on turn 1: miss payload) |                     |
+      |                | P leg: max_tokens=1,           |                     |
+      |                | stream=false, + D's params --->| verify + READ D's   |
+      |                | (booleans forced)              | blocks (D->P) <---->| turn N-1, retained
+      |                |                                | prefill the rest,   |
+      |                |<----- P's params + kv_stats ---| lease its blocks    |
+      |                | D leg: body + P's params ------------------------->| READ P's blocks
+      |                | (prefer turn N-1's D: its prefix cache holds the   | (P->D; only what
+      |                |  history, so only the new tail moves)              | its cache lacks)
+      |<== SSE chunk ==|<==================== token stream ==================| decode
+      | (one event at  | take D's params off the final chunk, put(conv);    | keep prompt+answer
+      |  a time)       | kv_stats = P leg + D leg + router timings          | (decoder TTL)
+
+Modules: config (RouterConfig), request (client request, validation, conversation id, tenant),
+store (ConversationStore: memory, Redis), conversations (recall/remember policy), backends (pool,
+choice, health checks), legs (request rewriting, combined kv_stats), stream (SSE relay), proxy
+(one turn end to end, failure rules), upstream + transport (the HTTP client to the workers),
+metrics, app (HTTP endpoints), serve (the CLI command). Nothing here imports torch.
+"""

@@ -1,0 +1,132 @@
+"""The router's HTTP app (Starlette, the toolkit FastAPI is built on; no per-request validation
+layer, so the hot path stays short).
+
+    POST /v1/chat/completions, /v1/completions   one P leg + one D leg (proxy.Proxy)
+    GET  /v1/models    the workers' models (from the first healthy worker that answers)
+    GET  /health       per-backend state; 503 while no P or no D is healthy
+    GET  /metrics      Prometheus
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import httpx
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from duplexkv.router.backends import BackendPool, HealthChecker
+from duplexkv.router.config import RouterConfig
+from duplexkv.router.metrics import RouterMetrics
+from duplexkv.router.proxy import Proxy, Relayed
+from duplexkv.router.request import ENDPOINTS, Kind, parse_client_request
+from duplexkv.router.store import ConversationStore, make_store
+from duplexkv.router.upstream import Upstream
+from duplexkv.server.errors import APIError, internal_error, model_not_found
+
+log = logging.getLogger("duplexkv.router")
+
+
+def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Starlette:
+    pool = BackendPool.from_urls(cfg.prefill, cfg.decode, affinity_slack=cfg.affinity_slack,
+                                 unhealthy_after=cfg.unhealthy_after)
+    store = store or make_store(cfg.store, cfg.conversation_ttl_s, cfg.max_conversations)
+    metrics = RouterMetrics()
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        upstream = Upstream(cfg)
+        state["proxy"] = Proxy(cfg, pool, store, metrics, upstream)
+        checker = HealthChecker(pool, upstream.client, cfg.health_interval_s,
+                                cfg.health_timeout_s)
+        checker.start()
+        try:
+            yield
+        finally:
+            await checker.stop()
+            await upstream.aclose()
+            await store.close()
+
+    async def generate(request: Request, kind: Kind) -> Response:
+        arrival = time.perf_counter()
+        proxy: Proxy = state["proxy"]
+        try:
+            req = parse_client_request(await request.body(), request.headers, kind)
+            models = pool.models()
+            if req.model is not None and models and req.model not in models:
+                raise model_not_found(req.model)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except APIError as e:
+            metrics.requests.labels(ENDPOINTS[kind], e.outcome).inc()
+            return e.response()
+        turn = proxy.new_turn(req, arrival)
+        try:
+            return await proxy.run(turn)
+        except Relayed as e:
+            outcome = "upstream_4xx" if e.status < 500 else "upstream_error"
+            metrics.requests.labels(req.endpoint, outcome).inc()
+            return e.response(turn.request_id)
+        except APIError as e:
+            metrics.requests.labels(req.endpoint, e.outcome).inc()
+            return e.response({"X-Request-Id": turn.request_id})
+
+    async def chat(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    async def models(_: Request) -> Response:
+        client = state["proxy"].upstream.client
+        for b in sorted(pool.all, key=lambda b: not b.healthy):
+            with contextlib.suppress(httpx.HTTPError):
+                r = await client.get(b.url + "/v1/models", timeout=cfg.health_timeout_s)
+                if r.status_code == 200:
+                    return Response(r.content, media_type="application/json")
+        return APIError(503, "No worker answered /v1/models", type="service_unavailable_error",
+                        code="no_worker_available").response()
+
+    async def health(_: Request) -> Response:
+        try:
+            stored = await store.size()
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            stored, store_error = None, repr(e)
+        else:
+            store_error = None
+        ok = any(b.healthy for b in pool.prefill) and any(b.healthy for b in pool.decode)
+        body = {"status": "ok" if ok else "unavailable", "store": store.describe(),
+                "conversations": stored, "store_error": store_error, **pool.state()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def prometheus(_: Request) -> Response:
+        try:
+            stored = await store.size()
+        except Exception:  # noqa: BLE001 - the gauge keeps its last value
+            stored = None
+        metrics.update(pool, stored)
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    async def unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return internal_error(exc).response()
+
+    routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", prometheus, methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error, Exception: unexpected})
+    app.state.pool, app.state.store, app.state.metrics = pool, store, metrics
+    return app

@@ -1,0 +1,67 @@
+"""Conversation state as the router uses it: which entry a turn replays, and what it keeps.
+
+    recall     (api key, conversation id) -> the stored entry, taken (single use); no id -> none
+    remember   D's params of a finished turn (remote_host fixed up if loopback) -> the store
+    outages    a failing store costs reuse, never the request: the turn runs as a miss, the
+               failure is logged and counted
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+from duplexkv.router.legs import rewrite_remote_host
+from duplexkv.router.metrics import RouterMetrics
+from duplexkv.router.store import ConversationStore, Entry, conversation_key
+
+log = logging.getLogger("duplexkv.router")
+
+
+class Recalled(NamedTuple):
+    key: str | None  # None: the request names no conversation
+    entry: Entry | None
+    state: str  # none | miss | expired | hit
+
+
+class Conversations:
+    def __init__(self, store: ConversationStore, metrics: RouterMetrics,
+                 rewrite_host: bool = True) -> None:
+        self.store, self.metrics, self.rewrite_host = store, metrics, rewrite_host
+
+    async def recall(self, api_key: str | None, conversation_id: str | None,
+                     request_id: str) -> Recalled:
+        if conversation_id is None:
+            return Recalled(None, None, "none")
+        key, m = conversation_key(api_key, conversation_id), self.metrics.conversations
+        try:
+            taken = await self.store.take(key)
+        except Exception as e:  # noqa: BLE001 - any store failure: run the turn as a miss
+            log.warning("%s: conversation store take failed: %r", request_id, e)
+            self.metrics.store_errors.labels("take").inc()
+            return Recalled(key, None, "miss")
+        if taken.expired:
+            m.labels("expired").inc()
+        if taken.entry is None:
+            m.labels("miss").inc()
+            return Recalled(key, None, "expired" if taken.expired else "miss")
+        m.labels("hit").inc()
+        return Recalled(key, taken.entry, "hit")
+
+    async def remember(self, key: str | None, decode_url: str, params: dict | None,
+                       request_id: str) -> None:
+        if key is None or not params:
+            return
+        if self.rewrite_host:
+            params = rewrite_remote_host(params, decode_url)
+        try:
+            res = await self.store.put(key, Entry(params, decode_url, time.time()))
+        except Exception as e:  # noqa: BLE001 - as in recall
+            log.warning("%s: conversation store put failed: %r", request_id, e)
+            self.metrics.store_errors.labels("put").inc()
+            return
+        m = self.metrics.conversations
+        m.labels("stored").inc()
+        m.labels("expired").inc(res.expired)
+        m.labels("evicted").inc(res.evicted)

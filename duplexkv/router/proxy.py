@@ -1,0 +1,299 @@
+"""One client request through P and D: recall the conversation, P leg (with the retry rules),
+D leg (JSON or a relayed stream), remember D's params for the next turn.
+
+Failure rules (issue 5, protocol.md 6)
+    connection refused/timed out   nothing was sent: mark the worker down, use another of its role
+    P fails on a replayed turn     retry once as a plain miss (D's blocks may be gone)
+    P or D answers 503             the engine is dead: mark it down, use another
+    other worker 4xx / 5xx         relayed to the client as it is
+    no worker of a role answers    503 in OpenAI's shape, naming the role and the last error
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+from starlette.responses import Response
+
+from duplexkv.router.backends import Backend, BackendPool
+from duplexkv.router.config import RouterConfig
+from duplexkv.router.conversations import Conversations
+from duplexkv.router.legs import (
+    TurnStats,
+    decode_body,
+    dumps,
+    finish_json,
+    miss_params,
+    prefill_body,
+    replay_params,
+    rewrite_remote_host,
+)
+from duplexkv.router.metrics import RouterMetrics
+from duplexkv.router.request import ClientRequest
+from duplexkv.router.store import ConversationStore, Entry
+from duplexkv.router.stream import SSEResponse, StreamRelay
+from duplexkv.router.upstream import Upstream
+from duplexkv.server.errors import APIError
+
+log = logging.getLogger("duplexkv.router")
+perf = time.perf_counter
+
+
+class Unreachable(Exception):
+    """The request never reached the worker."""
+
+
+@dataclass(slots=True)
+class Relayed(Exception):
+    """A worker's error answer, passed to the client as it is."""
+
+    status: int
+    content: bytes
+    media_type: str
+
+    def response(self, request_id: str) -> Response:
+        return Response(self.content, self.status, media_type=self.media_type,
+                        headers={"X-Request-Id": request_id})
+
+
+def no_worker(role: str, detail: str) -> APIError:
+    return APIError(503, f"No {role} worker could serve the request: {detail}",
+                    type="service_unavailable_error", code="no_worker_available")
+
+
+@dataclass(slots=True)
+class Turn:
+    req: ClientRequest
+    arrival: float
+    request_id: str
+    stats: TurnStats = field(default_factory=TurnStats)
+    key: str | None = None
+    entry: Entry | None = None
+    p_params: dict | None = None
+    upstream_s: float = 0.0  # time spent waiting for workers
+
+
+class Proxy:
+    def __init__(self, cfg: RouterConfig, pool: BackendPool, store: ConversationStore,
+                 metrics: RouterMetrics, upstream: Upstream) -> None:
+        self.cfg, self.pool, self.metrics, self.upstream = cfg, pool, metrics, upstream
+        self.conversations = Conversations(store, metrics, cfg.rewrite_remote_host)
+
+    def new_turn(self, req: ClientRequest, arrival: float) -> Turn:
+        return Turn(req, arrival, req.request_id or uuid.uuid4().hex)
+
+    async def run(self, turn: Turn) -> Response:
+        await self.recall(turn)
+        await self.prefill(turn)
+        return await (self.decode_stream(turn) if turn.req.stream else self.decode_json(turn))
+
+    async def recall(self, turn: Turn) -> None:
+        req = turn.req
+        turn.key, turn.entry, turn.stats.conversation = await self.conversations.recall(
+            req.api_key, req.conversation_id, turn.request_id)
+
+    async def remember(self, turn: Turn, d: Backend, params: dict | None) -> None:
+        await self.conversations.remember(turn.key, d.url, params, turn.request_id)
+
+    # upstream calls
+    def _headers(self, turn: Turn) -> dict[str, str]:
+        h = {"content-type": "application/json", "x-request-id": turn.request_id}
+        if turn.req.authorization:
+            h["authorization"] = turn.req.authorization
+        return h
+
+    async def _send(self, b: Backend, turn: Turn, body: dict, stream: bool = False
+                    ) -> httpx.Response:
+        """POST to a worker (headers only when `stream`); the caller owns b.outstanding."""
+        t = perf()
+        try:
+            resp = await self.upstream.post(b.url + turn.req.path, dumps(body),
+                                            self._headers(turn), stream=stream)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            b.errors += 1
+            b.mark_down(f"connection failed: {e!r}")
+            self.metrics.upstream_errors.labels(b.role, "connect").inc()
+            raise Unreachable(f"{b.url}: {e!r}") from e
+        except httpx.HTTPError as e:
+            b.errors += 1
+            b.last_error = repr(e)
+            self.metrics.upstream_errors.labels(b.role, "transport").inc()
+            raise
+        finally:
+            turn.upstream_s += perf() - t
+        return resp
+
+    def _bad_status(self, b: Backend, resp: httpx.Response) -> str:
+        """Account for an answer that is not a usable 200 (a 4xx is the client's, not b's)."""
+        self.metrics.upstream_errors.labels(b.role, f"http_{resp.status_code // 100}xx").inc()
+        if not 400 <= resp.status_code < 500:
+            b.errors += 1
+            b.last_error = f"HTTP {resp.status_code}"
+        if resp.status_code == 503:
+            b.mark_down(f"{b.url} answered 503 (engine not available)")
+        return f"{b.url} answered HTTP {resp.status_code}: {resp.text[:300]}"
+
+    # P leg
+    async def prefill(self, turn: Turn) -> None:
+        req, stats = turn.req, turn.stats
+        params = replay_params(turn.entry.params) if turn.entry else miss_params()
+        replaying = turn.entry is not None
+        tried: set[Backend] = set()
+        last = "no prefill worker is configured"
+        for _ in range(len(self.pool.prefill) + 1):
+            p = self.pool.choose_prefill(tried)
+            if p is None:
+                break
+            answer, status, resp = None, 0, None
+            p.outstanding += 1
+            try:
+                resp = await self._send(p, turn, prefill_body(req, params))
+                status = resp.status_code
+                answer = resp.json() if status == 200 else None
+                if not isinstance(answer, dict):
+                    answer = None
+                    last = self._bad_status(p, resp)
+            except Unreachable as e:
+                tried.add(p)
+                last = str(e)
+                continue
+            except (httpx.HTTPError, ValueError) as e:
+                last = f"{p.url}: {e!r}"
+            finally:
+                p.outstanding -= 1
+            if answer is not None:
+                self._prefilled(turn, p, answer, replaying)
+                return
+            if replaying:  # D's blocks may be gone or unreadable: retry once as a plain miss
+                log.warning("%s: P leg failed with stored params (%s); retrying as a miss",
+                            turn.request_id, last)
+                self.metrics.reuse.labels("retried").inc()
+                params, replaying, stats.conversation = miss_params(), False, "retried"
+                continue
+            if resp is not None and 400 <= status < 500:
+                raise Relayed(status, resp.content,
+                              resp.headers.get("content-type", "application/json"))
+            tried.add(p)
+        raise no_worker("prefill", last)
+
+    def _prefilled(self, turn: Turn, p: Backend, answer: dict, replayed: bool) -> None:
+        stats = turn.stats
+        stats.prefill = answer.get("kv_stats") if isinstance(answer.get("kv_stats"), dict) else None
+        stats.prefill_done_ms = round((perf() - turn.arrival) * 1e3, 3)
+        params = answer.get("kv_transfer_params")
+        turn.p_params = params if isinstance(params, dict) else None
+        if self.cfg.rewrite_remote_host:
+            turn.p_params = rewrite_remote_host(turn.p_params, p.url)
+        if replayed:
+            self.metrics.reuse_outcome(stats.prefill)
+
+    # D leg
+    def _decode_candidates(self, turn: Turn):
+        tried: set[Backend] = set()
+        preferred = turn.entry.decode_url if turn.entry else None
+        for _ in range(len(self.pool.decode)):
+            d, _pref = self.pool.choose_decode(preferred, tried)
+            if d is None:
+                return
+            tried.add(d)
+            yield d
+
+    async def _decode_call(self, turn: Turn, stream: bool) -> tuple[Backend, httpx.Response]:
+        body = decode_body(turn.req, turn.p_params)
+        last = "no decode worker is configured"
+        for d in self._decode_candidates(turn):
+            d.outstanding += 1
+            try:
+                resp = await self._send(d, turn, body, stream=stream)
+            except (Unreachable, httpx.HTTPError) as e:
+                d.outstanding -= 1
+                last = str(e) if isinstance(e, Unreachable) else f"{d.url}: {e!r}"
+                continue
+            if resp.status_code == 200:
+                return d, resp  # the caller decrements d.outstanding when done
+            d.outstanding -= 1
+            if stream:
+                await resp.aread()
+                await resp.aclose()
+            last = self._bad_status(d, resp)
+            if resp.status_code != 503:
+                raise Relayed(resp.status_code, resp.content,
+                              resp.headers.get("content-type", "application/json"))
+        raise no_worker("decode", last)
+
+    async def decode_json(self, turn: Turn) -> Response:
+        d, resp = await self._decode_call(turn, stream=False)
+        d.outstanding -= 1
+        try:
+            d_json = resp.json()
+        except ValueError:
+            raise no_worker("decode", f"{d.url} answered invalid JSON") from None
+        out, params = finish_json(d_json, turn.stats)
+        await self.remember(turn, d, params)
+        self.metrics.overhead.observe(max(0.0, perf() - turn.arrival - turn.upstream_s))
+        self.metrics.requests.labels(turn.req.endpoint, "ok").inc()
+        return Response(dumps(out), media_type="application/json",
+                        headers={"X-Request-Id": turn.request_id})
+
+    async def decode_stream(self, turn: Turn) -> Response:
+        d, resp = await self._decode_call(turn, stream=True)
+        leg = _StreamLeg(turn, d, resp, StreamRelay(turn.stats, turn.arrival), perf())
+        return SSEResponse(self._relay(leg), on_close=lambda: self._close(leg),
+                           headers={"X-Request-Id": turn.request_id, "Cache-Control": "no-cache"})
+
+    async def _relay(self, leg: _StreamLeg):
+        turn, d, relay, m = leg.turn, leg.d, leg.relay, self.metrics
+        stored, first_wait = False, None
+        try:
+            async for chunk in leg.resp.aiter_bytes():
+                if first_wait is None:  # headers -> first bytes (the headers are in upstream_s)
+                    first_wait = perf() - leg.headers_at
+                for event in relay.feed(chunk):
+                    if relay.done and not stored:  # store before [DONE]: the next turn may follow
+                        await self.remember(turn, d, relay.params)
+                        stored = True
+                    yield event
+                    if first_wait is not None and first_wait >= 0:
+                        m.overhead.observe(max(0.0, perf() - turn.arrival - turn.upstream_s
+                                               - first_wait))
+                        first_wait = -1.0
+            for event in relay.flush():
+                yield event
+            if not stored:
+                await self.remember(turn, d, relay.params)
+            leg.outcome = "upstream_error" if relay.error else "ok"
+        except httpx.HTTPError as e:  # D went away mid-stream: tell the client in the stream
+            log.warning("%s: decode stream from %s broke: %r", turn.request_id, d.url, e)
+            leg.outcome = "upstream_error"
+            m.upstream_errors.labels("decode", "stream").inc()
+            err = APIError(502, f"the decode worker's stream broke: {e!r}", type="server_error",
+                           code="upstream_stream_error")
+            yield b"data: " + dumps(err.body()) + b"\n\ndata: [DONE]\n\n"
+        finally:
+            await self._close(leg)
+
+    async def _close(self, leg: _StreamLeg) -> None:
+        """Once per stream, whether it ended, broke, or the client left before the first byte."""
+        if leg.closed:
+            return
+        leg.closed = True
+        leg.d.outstanding -= 1
+        await leg.resp.aclose()
+        if leg.relay.first_token_at is not None:
+            self.metrics.ttft.observe(leg.relay.first_token_at - leg.turn.arrival)
+        self.metrics.requests.labels(leg.turn.req.endpoint, leg.outcome).inc()
+
+
+@dataclass(slots=True)
+class _StreamLeg:
+    turn: Turn
+    d: Backend
+    resp: httpx.Response
+    relay: StreamRelay
+    headers_at: float
+    outcome: str = "aborted"
+    closed: bool = False

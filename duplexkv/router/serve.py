@@ -1,0 +1,114 @@
+"""`duplexkv router --prefill URL... --decode URL... --port N [--store URL]`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from duplexkv.router.config import DEFAULT_CONVERSATION_TTL_S, RouterConfig
+
+log = logging.getLogger("duplexkv.router")
+
+
+def add_router_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "router", help="run the KV-cache-aware P/D router",
+        description="Route OpenAI requests through prefill and decode workers, keeping each "
+                    "conversation's KV on its decode worker for the next turn.")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="prefill worker base URLs, e.g. http://127.0.0.1:8100")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="decode worker base URLs")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--store", default="memory", metavar="URL",
+                   help="conversation store: 'memory' (default, this process only) or "
+                        "redis://host:port/db (shared by every router using it)")
+    p.add_argument("--conversation-ttl", type=float, default=DEFAULT_CONVERSATION_TTL_S,
+                   metavar="S", help="forget a conversation's KV after S seconds; keep it below "
+                                     "the decode workers' decoder_kv_blocks_ttl (default 480) "
+                                     "minus a margin")
+    p.add_argument("--max-conversations", type=int, default=100_000)
+    p.add_argument("--health-interval", type=float, default=2.0, metavar="S")
+    p.add_argument("--health-timeout", type=float, default=10.0, metavar="S")
+    p.add_argument("--affinity-slack", type=int, default=4,
+                   help="keep a conversation on its decode worker unless it has this many more "
+                        "requests in flight than the least loaded one")
+    p.add_argument("--rewrite-remote-host", action=argparse.BooleanOptionalAction, default=True,
+                   help="replace an empty/loopback remote_host in kv_transfer_params by the "
+                        "worker's URL host (only when that host is not loopback)")
+    p.add_argument("--upstream-http", choices=("fast", "httpcore"), default="fast",
+                   help="HTTP/1.1 client transport to the workers: the router's lean asyncio "
+                        "one (default) or httpx's stock httpcore")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(run=run_router)
+    return p
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        prefill=tuple(args.prefill), decode=tuple(args.decode), host=args.host, port=args.port,
+        store=args.store, conversation_ttl_s=args.conversation_ttl,
+        max_conversations=args.max_conversations, health_interval_s=args.health_interval,
+        health_timeout_s=args.health_timeout, affinity_slack=args.affinity_slack,
+        rewrite_remote_host=args.rewrite_remote_host, upstream_http=args.upstream_http,
+        request_timeout_s=args.request_timeout)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; bad settings raise ValueError (one CLI error line)."""
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call otherwise
+    cfg = router_config(args)
+    import uvicorn
+
+    from duplexkv.router.app import build_app
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """Like uvicorn's, minus re-raising the signal afterwards (we exit cleanly)."""
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+        def handle_exit(self, sig, frame) -> None:
+            log.info("%s: shutting down", signal.Signals(sig).name)
+            super().handle_exit(sig, frame)
+
+    app = build_app(cfg)
+    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="on",
+                                           log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5))
+    asyncio.run(_serve(server, app))
+    return 0 if server.started else 1
+
+
+async def _serve(server, app) -> None:
+    store = app.state.store
+    try:
+        await store.size()  # a configured Redis must answer at start
+    except Exception as e:  # noqa: BLE001 - any client error: one CLI error line
+        await store.close()
+        raise ValueError(f"the conversation store {store.describe()} is not reachable: {e}") \
+            from None
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        pool = app.state.pool
+        log.info("router listening on http://%s:%d (prefill %s; decode %s; store %s)", host, port,
+                 " ".join(b.url for b in pool.prefill), " ".join(b.url for b in pool.decode),
+                 app.state.store.describe())
+    await task

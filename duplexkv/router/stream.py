@@ -1,0 +1,122 @@
+"""D's SSE stream -> the client, one event at a time (no batching: each event is sent as soon as
+its terminating blank line arrives).
+
+Every event is scanned for `kv_transfer_params` (the last non-null one is kept: vLLM puts it on
+the finish chunk, others on a trailing chunk) and the key is removed; D's `kv_stats` is replaced
+by the combined one, which is also added to the finish chunk when D sent none. Events that
+carry neither pass through as bytes, unparsed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+
+from starlette.responses import StreamingResponse
+
+from duplexkv.router.legs import TurnStats, dumps
+
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+DONE = b"data: [DONE]"
+
+
+class StreamRelay:
+    def __init__(self, stats: TurnStats, arrival: float,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.stats = stats
+        self.arrival = arrival
+        self.clock = clock
+        self.params: dict | None = None
+        self.first_token_at: float | None = None
+        self.stats_sent = False
+        self.done = False
+        self.error = False  # D sent an error event
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """Bytes from D -> the complete events to send now (each with its blank line)."""
+        self._buf += chunk
+        out = []
+        while m := _EVENT_END.search(self._buf):
+            event, self._buf = self._buf[:m.start()], self._buf[m.end():]
+            if event.strip():
+                out.append(self._rewrite(event) + b"\n\n")
+        return out
+
+    def flush(self) -> list[bytes]:
+        """What is left when D closes without a final blank line."""
+        event, self._buf = self._buf, b""
+        return [self._rewrite(event) + b"\n\n"] if event.strip() else []
+
+    def _rewrite(self, event: bytes) -> bytes:
+        if event.startswith(DONE):
+            self.done = True
+            return event
+        if event.startswith(b'data: {"error"'):
+            self.error = True
+            return event
+        needs_parse = (self.first_token_at is None or b'"kv_' in event
+                       or (b'"finish_reason"' in event and b'"finish_reason":null' not in event))
+        if not needs_parse:
+            return event
+        lines = event.split(b"\n")
+        for i, line in enumerate(lines):
+            if line.startswith(b"data:"):
+                lines[i] = self._rewrite_data(line[5:].strip())
+        return b"\n".join(lines)
+
+    def _rewrite_data(self, payload: bytes) -> bytes:
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return b"data: " + payload
+        if not isinstance(obj, dict):
+            return b"data: " + payload
+        choices = obj.get("choices") if isinstance(obj.get("choices"), list) else []
+        first = choices[0] if choices and isinstance(choices[0], dict) else {}
+        if self.first_token_at is None and _has_token(first):
+            self.first_token_at = self.clock()
+            self.stats.first_token_ms = round((self.first_token_at - self.arrival) * 1e3, 3)
+        changed = False
+        if "kv_transfer_params" in obj:
+            params = obj.pop("kv_transfer_params")
+            if isinstance(params, dict):
+                self.params = params
+            changed = True
+        if "kv_stats" in obj:
+            if isinstance(obj["kv_stats"], dict):
+                self.stats.decode = obj["kv_stats"]
+            obj["kv_stats"] = self.stats.as_dict()
+            self.stats_sent = changed = True
+        elif first.get("finish_reason") is not None and not self.stats_sent:
+            obj["kv_stats"] = self.stats.as_dict()
+            self.stats_sent = changed = True
+        return b"data: " + (dumps(obj) if changed else payload)
+
+
+def _has_token(choice: dict) -> bool:
+    delta = choice.get("delta")
+    if isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")
+                                    or delta.get("tool_calls")):
+        return True
+    return bool(choice.get("text")) or choice.get("finish_reason") is not None
+
+
+class SSEResponse(StreamingResponse):
+    """Always closes its body iterator and then `on_close` (the D stream), even when the client
+    left before the first byte, so that D aborts the request (as the worker's SSEResponse)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, on_close, headers: dict[str, str]) -> None:
+        super().__init__(content, headers=headers)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self.on_close()
