@@ -61,7 +61,6 @@ def turn(p, d, path, body, d_params, stream=False):
                                        pj["kv_transfer_params"]))
         text = "".join((e["choices"][0].get("delta") or {}).get("content")
                        or e["choices"][0].get("text") or "" for e in events if e["choices"])
-        final = [e for e in events if e.get("kv_stats")][-1]
         params = [e["kv_transfer_params"] for e in events if e.get("kv_transfer_params")]
         return text, pj["kv_stats"], (params[-1] if params else None)
     r = decode_leg(d, path, body, pj["kv_transfer_params"])

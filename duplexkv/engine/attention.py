@@ -112,7 +112,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
             o = F.scaled_dot_product_attention(qh, sk, sv, scale=scale)
             out[rows] = o.reshape(1, -1, o.shape[-1])
         else:
-            qh = q[rows].transpose(0, 1)[None]  # [1, H, n, D]
+            qh = q[rows].transpose(0, 1).contiguous()[None]  # [1, H, n, D]: contiguous is
+            # markedly faster in the CPU flash kernel (bf16 8k: 490 vs 660 ms per layer)
             if group > 1:  # expand KV heads: enable_gqa would take SDPA's slow math path
                 sk = sk.repeat_interleave(group, dim=1)
                 sv = sv.repeat_interleave(group, dim=1)

@@ -215,7 +215,8 @@ class LLMEngine:
         n_out = seq.num_output_tokens
         reason = None
         if n_out >= p.min_tokens:
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.eos_token_ids):
+            eos = not p.ignore_eos and tok in self.tokenizer.eos_token_ids
+            if tok in p.stop_token_ids or eos:
                 reason = "stop"
             elif p.stop:
                 cut = self._find_stop(st.text, p.stop)

@@ -31,7 +31,10 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
             bad("temperature", "must be a number in [0, 100]")
@@ -39,7 +42,7 @@ class SamplingParams:
             bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             bad("top_k", "must be -1, 0 (off) or a positive integer")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and not is_int(self.seed):
             bad("seed", "must be an integer")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", "must be an integer in [0, max_tokens]")

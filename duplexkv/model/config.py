@@ -31,10 +31,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     qk_norm: bool  # Qwen3: RMS norm on q and k per head
     attention_bias: bool  # Qwen2: bias on q/k/v projections
-    torch_dtype: str = "bfloat16"  # as written in config.json; the engine's --dtype decides what runs
+    torch_dtype: str = "bfloat16"  # as in config.json; the engine's --dtype decides what runs
 
     def __post_init__(self) -> None:
-        assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+        assert self.num_heads % self.num_kv_heads == 0, "heads must be a multiple of kv heads"
 
     @property
     def kv_bytes_per_token_per_dtype_byte(self) -> int:

@@ -29,7 +29,8 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float, max_pos: int) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (theta**exponents)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):

@@ -104,7 +104,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         health_extra, collectors = attach_kv_transfer(aeng, args.kv_transfer_config, args)
         name = args.served_model_name or served_name(args.model)
-        server = Server(uvicorn.Config(build_app(aeng, name, health_extra, collectors), host=args.host,
+        app = build_app(aeng, name, health_extra, collectors)
+        server = Server(uvicorn.Config(app, host=args.host,
                                        port=args.port, lifespan="off", log_level="warning",
                                        access_log=False, timeout_graceful_shutdown=5))
         asyncio.run(_serve(server, f"{name} ({engine.model_dir})"))

@@ -65,7 +65,7 @@ class PoolLayout:
     block_bytes: int
 
     @classmethod
-    def of(cls, pool: torch.Tensor) -> "PoolLayout":
+    def of(cls, pool: torch.Tensor) -> PoolLayout:
         if pool.device.type != "cpu":
             raise ValueError(f"the KV pool must be a CPU tensor, got {pool.device}")
         if not pool.is_contiguous():

@@ -1,8 +1,10 @@
 """NIXL transport (UCX backend): one-sided READs like vLLM's NixlConnector, on CPU memory.
 
 One agent per worker, named by the engine id (so notifications arrive keyed by the sender's
-engine id), created with `enable_prog_thread=False`: a spinning progress thread halves
-throughput on 2 cores, so the worker's loop drives progress through `poll` / `get_notifs`.
+engine id). By default (`progress_thread_ms=5`) NIXL's progress thread runs event-driven: it
+sleeps in poll() and answers the holder side of UCX at once without spinning (see
+nixl_agent.py for why either extreme hurts). `progress_thread_ms=None` gives
+`enable_prog_thread=False`; then every worker's loop must call `get_notifs` often.
 The pool is registered once, the local descriptor list (one descriptor per block) is prepared
 once, and each peer's remote list once per `connect`; a READ is `make_prepped_xfer` by block
 index + `transfer`. Same-host copies go through UCX's `cma` transport (process_vm_readv, the
@@ -23,12 +25,20 @@ import numpy as np
 import torch
 
 from duplexkv.kv.transport import cma, meta
-from duplexkv.kv.transport.base import (DEFAULT_TIMEOUT_S, KVTransport, PoolLayout,
-                                        TransferStats, XferHandle, XferState, check_block_ids)
+from duplexkv.kv.transport.base import (
+    DEFAULT_TIMEOUT_S,
+    KVTransport,
+    PoolLayout,
+    TransferStats,
+    XferHandle,
+    XferState,
+    check_block_ids,
+)
+from duplexkv.kv.transport.nixl_agent import dlist, make_agent, nixl_errors
 
 log = logging.getLogger(__name__)
-UCX_ENV = ("UCX_TLS", "UCX_NET_DEVICES", "UCX_CMA_TX_QUOTA", "UCX_CMA_SEG_SIZE",
-           "UCX_PROTO_ENABLE")
+UCX_ENV = ("UCX_TLS", "UCX_NET_DEVICES", "UCX_USE_MT_MUTEX", "UCX_CMA_TX_QUOTA",
+           "UCX_CMA_SEG_SIZE", "UCX_PROTO_ENABLE")
 
 
 @dataclass(slots=True)
@@ -40,33 +50,33 @@ class _Peer:
     cma_error: str | None
 
 
-def _dlist(base: int, num_blocks: int, block_bytes: int) -> np.ndarray:
-    d = np.zeros((num_blocks, 3), dtype=np.uint64)
-    d[:, 0] = base + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
-    d[:, 1] = block_bytes
-    return d
-
-
 class NixlTransport(KVTransport):
     """`host` is accepted for interface symmetry and unused: UCX picks interfaces itself
-    (restrict them with UCX_NET_DEVICES, e.g. `lo` in a sandbox)."""
+    (restrict them with UCX_NET_DEVICES, e.g. `lo` in a sandbox). `progress_thread_ms`: poll
+    timeout of NIXL's event-driven progress thread, None = no thread (see nixl_agent.py).
+    `num_threads`: NIXL's UCX `num_threads` option (0 = its default, one worker)."""
 
     def __init__(self, engine_id: str, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 host: str | None = None, backends: Sequence[str] = ("UCX",)) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
+                 host: str | None = None, backends: Sequence[str] = ("UCX",),
+                 progress_thread_ms: float | None = 5.0, num_threads: int = 0) -> None:
         self.engine_id = engine_id
         self.timeout_s = float(timeout_s)
         self.stats = TransferStats()
-        self.ucx_env = {k: os.environ[k] for k in UCX_ENV if k in os.environ}
+        self._errors = nixl_errors()
         self.cma_ok, self.cma_reason = cma.ucx_cma_status()
         self.warnings: list[str] = []
+        self.notif_errors = 0
         if not self.cma_ok:
             self._warn(f"UCX cannot use CMA ({self.cma_reason}): same-host KV reads will go over "
                        "TCP, several times slower. Allow ptrace between the workers (same user, "
                        "Yama ptrace_scope 0 or 1, or CAP_SYS_PTRACE) or use the tcp transport.")
-        cfg = nixl_agent_config(enable_prog_thread=False, backends=list(backends))
-        self.agent = nixl_agent(engine_id, cfg)
+        self.agent, self.progress, warning = make_agent(engine_id, list(backends),
+                                                        progress_thread_ms, self._errors,
+                                                        num_threads)
+        if warning:
+            self._warn(warning)
+        self._threaded = self.progress.startswith("event-driven")
+        self.ucx_env = {k: os.environ[k] for k in UCX_ENV if k in os.environ}
         if not self.agent.backends:
             raise RuntimeError(f"NIXL could not create any of the backends {list(backends)}; "
                                f"available plugins: {self.agent.get_plugin_list()}")
@@ -78,7 +88,6 @@ class NixlTransport(KVTransport):
         self._pending: set[XferHandle] = set()
         self._zombies: list[object] = []  # NIXL requests that could not be cancelled yet
         self._backlog: list[tuple[str, bytes]] = []  # notifications seen while settling
-        self.notif_errors = 0
         self._closed = False
 
     def _warn(self, msg: str) -> None:
@@ -97,7 +106,7 @@ class NixlTransport(KVTransport):
         self._reg = self.agent.register_memory([(layout.base_ptr, layout.nbytes, 0, "kv")],
                                                "DRAM")
         self._local_dlist = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _dlist(layout.base_ptr, layout.num_blocks, layout.block_bytes),
+            "NIXL_INIT_AGENT", dlist(layout.base_ptr, layout.num_blocks, layout.block_bytes),
             "DRAM")
         self.layout, self._pool = layout, pool
 
@@ -131,9 +140,9 @@ class NixlTransport(KVTransport):
             raise ValueError(f"NIXL agent in the metadata is {name!r}, expected {peer!r}")
         try:
             remote = self.agent.prep_xfer_dlist(
-                peer, _dlist(int(header["base_ptr"]), int(header["num_blocks"]),
+                peer, dlist(int(header["base_ptr"]), int(header["num_blocks"]),
                              layout.block_bytes), "DRAM")
-        except Exception:
+        except self._errors:
             self.agent.remove_remote_agent(peer)
             raise
         path, err = self._data_path(header)
@@ -143,7 +152,7 @@ class NixlTransport(KVTransport):
                        "(slow). Both workers must run as the same user with ptrace allowed.")
         try:
             self.agent.make_connection(peer)
-        except Exception as e:  # optional optimisation; the first READ connects anyway
+        except self._errors as e:  # optional optimisation; the first READ connects anyway
             log.debug("make_connection(%s): %s", peer, e)
 
     def _data_path(self, header: dict) -> tuple[str, str | None]:
@@ -186,7 +195,7 @@ class NixlTransport(KVTransport):
                 np.asarray(rem, dtype=np.int32), notif_msg=bytes(notif))
             h.impl = req
             status = self.agent.transfer(req)
-        except Exception as e:  # NIXL raises nixlBackendError & co. for a dead peer
+        except self._errors as e:  # NIXL raises nixlBackendError & co. for a dead peer
             status = f"ERR ({type(e).__name__}: {e})"
         if status == "DONE":
             h._finish(XferState.DONE)
@@ -202,7 +211,7 @@ class NixlTransport(KVTransport):
         if req is not None:
             try:
                 req.release()  # cancels it if still in flight
-            except Exception as e:
+            except self._errors as e:
                 self._zombies.append(req)
                 error += f" (cancelling failed: {e}; local blocks may still be written)"
         h._finish(XferState.FAILED, error)
@@ -215,7 +224,7 @@ class NixlTransport(KVTransport):
             return handle.state
         try:
             status = self.agent.check_xfer_state(handle.impl)
-        except Exception as e:
+        except self._errors as e:
             status = f"ERR ({type(e).__name__}: {e})"
         if status == "DONE":
             handle._finish(XferState.DONE)
@@ -226,6 +235,8 @@ class NixlTransport(KVTransport):
         elif time.monotonic() > handle.deadline:
             self._fail(handle, f"NIXL READ from {handle.peer!r} timed out after "
                                f"{self.timeout_s:g} s")
+        elif self._threaded:
+            os.sched_yield()  # the progress thread completes it: let it have the CPU
         return handle.state
 
     def release(self, handle: XferHandle) -> None:
@@ -235,7 +246,7 @@ class NixlTransport(KVTransport):
         if req is not None:
             try:
                 req.release()
-            except Exception:
+            except self._errors:
                 self._zombies.append(req)
 
     def send_notif(self, peer: str, msg: bytes) -> None:
@@ -243,7 +254,7 @@ class NixlTransport(KVTransport):
         self.stats.notifs_sent += 1
         try:
             self.agent.send_notif(peer, bytes(msg))
-        except Exception as e:  # the peer is gone: it has nothing left to free
+        except self._errors as e:  # the peer is gone: it has nothing left to free
             self.notif_errors += 1
             log.warning("notification to %s failed: %s: %s", peer, type(e).__name__, e)
             self._settle()
@@ -269,7 +280,7 @@ class NixlTransport(KVTransport):
         for req in self._zombies:
             try:
                 req.release()
-            except Exception:
+            except self._errors:
                 left.append(req)
         self._zombies = left
 
@@ -283,7 +294,7 @@ class NixlTransport(KVTransport):
         try:
             p.remote_dlist.release()
             self.agent.remove_remote_agent(peer)
-        except Exception as e:
+        except self._errors as e:
             log.warning("NIXL disconnect from %s: %s", peer, e)
 
     def close(self) -> None:
@@ -298,14 +309,15 @@ class NixlTransport(KVTransport):
                 self._local_dlist.release()
             if self._reg is not None:
                 self.agent.deregister_memory(self._reg)
-        except Exception as e:
+        except self._errors as e:
             log.warning("NIXL close: %s", e)
         self._closed = True
 
     def health(self) -> dict:
         return {
             "transport": "nixl", "engine_id": self.engine_id, "closed": self._closed,
-            "backends": list(self.agent.backends), "timeout_s": self.timeout_s,
+            "backends": list(self.agent.backends), "progress": self.progress,
+            "timeout_s": self.timeout_s,
             "ucx_env": self.ucx_env, "ucx_cma": {"enabled": self.cma_ok, "why": self.cma_reason},
             "peers": {name: {"data_path": p.data_path, "cma_error": p.cma_error,
                              "same_host": meta.same_host(p.header)}

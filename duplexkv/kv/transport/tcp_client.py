@@ -1,0 +1,177 @@
+"""Reader side of the TCP transport: one `PeerLink` per holder, with a cached connection and
+a thread that runs the peer's READs (and notifications) in order."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import queue
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from duplexkv.kv.transport import tcp_wire as w
+from duplexkv.kv.transport.base import XferHandle, XferState, runs
+
+log = logging.getLogger(__name__)
+SLICE_S = 0.25  # socket timeout granularity: deadlines are checked at least this often
+FORCE_FAIL_S = 2.0  # a job still running this long after its deadline is failed regardless
+
+
+class _Cancelled(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class Job:
+    handle: XferHandle | None  # None for a notification
+    notif: bytes
+    xfer_id: int = 0
+    cancelled: bool = False
+    result: tuple[XferState, str | None] | None = None  # set by the link thread, last
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class PeerLink:
+    """Reader side of one peer: a lazily (re)opened connection and the thread that uses it."""
+
+    def __init__(self, me: str, peer: str, header: dict, local_mv: memoryview,
+                 block_bytes: int) -> None:
+        self.me, self.peer, self.header = me, peer, header
+        self.addr = (header["host"], int(header["port"]))
+        self.local_mv, self.bb = local_mv, block_bytes
+        self.sock: socket.socket | None = None
+        self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.ids = itertools.count(1)
+        self.current: Job | None = None
+        self.notif_errors = 0
+        self.closing = False
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"kv-tcp-{peer}")
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        job.xfer_id = next(self.ids)
+        self.jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            self.current = job
+            try:
+                if self.closing:
+                    job.result = (XferState.FAILED, f"disconnected from {self.peer!r}")
+                elif job.handle is None:
+                    self._notify(job)
+                else:
+                    job.result = self._read(job)
+            finally:
+                self.current = None
+                job.done.set()
+        self._drop()
+
+    def _connect(self, deadline: float) -> socket.socket:
+        if self.sock is None:
+            s = socket.create_connection(self.addr, timeout=max(0.01, deadline - time.monotonic()))
+            try:
+                w.tune(s)
+                hello = json.dumps({"from": self.me, "to": self.peer}).encode()
+                s.sendall(w.HELLO_HDR.pack(w.HELLO, len(hello)) + hello)
+                status, n = w.HELLO_HDR.unpack(w.recv_exact(s, w.HELLO_HDR.size))
+                text = w.recv_exact(s, n).decode(errors="replace")
+                if status != w.OK:
+                    raise ConnectionError(f"{self.addr[0]}:{self.addr[1]} refused us: {text}")
+            except BaseException:
+                s.close()
+                raise
+            w.set_time_slices(s, SLICE_S)
+            self.sock = s
+        return self.sock
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def _read(self, job: Job) -> tuple[XferState, str | None]:
+        h = job.handle
+        assert h is not None
+        if job.cancelled:
+            return XferState.FAILED, "cancelled before it started"
+        if time.monotonic() > h.deadline:
+            return XferState.FAILED, f"READ from {self.peer!r} timed out in the queue"
+
+        def check() -> None:
+            if job.cancelled:
+                raise _Cancelled()
+            if time.monotonic() > h.deadline:
+                raise TimeoutError(f"READ from {self.peer!r} timed out")
+
+        try:
+            check()
+            s = self._connect(h.deadline)
+            n = len(h.remote_block_ids)
+            req = w.READ_HDR.pack(w.READ, job.xfer_id, n, len(job.notif))
+            w.sendmsg_all(s, [req, _pack_ids(h.remote_block_ids), job.notif], check)
+            status, xfer_id, length = w.READ_REPLY.unpack(
+                w.recv_exact(s, w.READ_REPLY.size, check))
+            if status != w.OK:
+                text = w.recv_exact(s, length, check).decode(errors="replace")
+                return XferState.FAILED, f"{self.peer!r} refused the READ: {text}"
+            if xfer_id != job.xfer_id or length != n * self.bb:
+                raise ConnectionError(f"protocol error: reply for READ {xfer_id} with {length} "
+                                      f"bytes, expected READ {job.xfer_id} with {n * self.bb}")
+            mv, bb = self.local_mv, self.bb
+            w.recvmsg_all(s, [mv[first * bb : (first + count) * bb]
+                              for first, count in runs(h.local_block_ids)], check)
+            return XferState.DONE, None
+        except _Cancelled:
+            self._drop()  # the stream is mid-message: start over on the next job
+            return XferState.FAILED, "cancelled"
+        except (OSError, ValueError) as e:
+            self._drop()
+            why = "timed out" if isinstance(e, TimeoutError) else f"failed: {e}"
+            where = f"{self.peer!r} at {self.addr[0]}:{self.addr[1]}"
+            return XferState.FAILED, f"READ of {len(h.remote_block_ids)} blocks from {where} {why}"
+
+    def _notify(self, job: Job) -> None:
+        deadline = time.monotonic() + 5.0
+
+        def check() -> None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("timed out")
+
+        for attempt in (0, 1):  # a cached connection may have died since: reconnect once
+            try:
+                s = self._connect(deadline)
+                w.sendmsg_all(s, [w.NOTIF_HDR.pack(w.NOTIF, len(job.notif)), job.notif], check)
+                return
+            except OSError as e:
+                self._drop()
+                if attempt:
+                    self.notif_errors += 1
+                    log.warning("notification to %s failed: %s", self.peer, e)
+
+    def abort(self) -> None:
+        """Unblock the thread's socket call (used when a job overstays its deadline)."""
+        s = self.sock
+        if s is not None:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.closing = True
+        self.jobs.put(None)
+        cur = self.current
+        if cur is not None:
+            cur.cancelled = True
+        self.abort()
+        self.thread.join(timeout=FORCE_FAIL_S)
+
+
+def _pack_ids(ids: Sequence[int]) -> bytes:
+    return struct.pack(f">{len(ids)}I", *ids)
