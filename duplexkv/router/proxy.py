@@ -35,9 +35,10 @@ from duplexkv.router.legs import (
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.request import ClientRequest
 from duplexkv.router.store import ConversationStore, Entry
-from duplexkv.router.stream import SSEResponse, StreamRelay
+from duplexkv.router.stream import StreamRelay
 from duplexkv.router.upstream import Upstream
 from duplexkv.server.errors import APIError
+from duplexkv.server.sse import SSEResponse
 
 log = logging.getLogger("duplexkv.router")
 perf = time.perf_counter

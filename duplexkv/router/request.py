@@ -8,12 +8,12 @@ else goes to the workers, whose 4xx are relayed as they are. `conversation_id` a
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from duplexkv.server.errors import bad_request
+from duplexkv.server.protocol import parse_json
 
 Kind = Literal["completion", "chat"]
 PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -48,7 +48,7 @@ class ClientRequest:
 
 def parse_client_request(raw: bytes, headers: Mapping[str, str], kind: Kind) -> ClientRequest:
     """Raises APIError (400) for what a worker would reject anyway."""
-    body = _json_object(raw)
+    body = parse_json(raw)
     conv = _conversation_id(body.pop("conversation_id", None), headers)
     body.pop("kv_transfer_params", None)  # never trusted from a client
     _validate(body, kind)
@@ -63,14 +63,6 @@ def api_key(authorization: str | None) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else authorization.strip()
 
 
-def _json_object(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad_request(f"The request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object.")
-    return body
 
 
 def _conversation_id(value: Any, headers: Mapping[str, str]) -> str | None:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import signal
 import sys
 
 from duplexkv.router.config import DEFAULT_CONVERSATION_TTL_S, RouterConfig
@@ -69,22 +67,7 @@ def run_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from duplexkv.router.app import build_app
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            """Like uvicorn's, minus re-raising the signal afterwards (we exit cleanly)."""
-            sigs = (signal.SIGINT, signal.SIGTERM)
-            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
-            try:
-                yield
-            finally:
-                for s, h in old.items():
-                    signal.signal(s, h)
-
-        def handle_exit(self, sig, frame) -> None:
-            log.info("%s: shutting down", signal.Signals(sig).name)
-            super().handle_exit(sig, frame)
+    from duplexkv.server.uvicorn_server import CleanExitServer as Server
 
     app = build_app(cfg)
     server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="on",

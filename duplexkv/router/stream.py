@@ -14,8 +14,6 @@ import re
 import time
 from collections.abc import Callable
 
-from starlette.responses import StreamingResponse
-
 from duplexkv.router.legs import TurnStats, dumps
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
@@ -104,19 +102,3 @@ def _has_token(choice: dict) -> bool:
     return bool(choice.get("text")) or choice.get("finish_reason") is not None
 
 
-class SSEResponse(StreamingResponse):
-    """Always closes its body iterator and then `on_close` (the D stream), even when the client
-    left before the first byte, so that D aborts the request (as the worker's SSEResponse)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content, on_close, headers: dict[str, str]) -> None:
-        super().__init__(content, headers=headers)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            await self.on_close()

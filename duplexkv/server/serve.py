@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
-import signal
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -81,22 +79,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from duplexkv.engine.llm_engine import LLMEngine
     from duplexkv.server.app import build_app
     from duplexkv.server.kv_hook import attach_kv_transfer
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            """Like uvicorn's, minus re-raising the signal afterwards (we exit cleanly)."""
-            sigs = (signal.SIGINT, signal.SIGTERM)
-            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
-            try:
-                yield
-            finally:
-                for s, h in old.items():
-                    signal.signal(s, h)
-
-        def handle_exit(self, sig, frame) -> None:
-            log.info("%s: shutting down", signal.Signals(sig).name)
-            super().handle_exit(sig, frame)
+    from duplexkv.server.uvicorn_server import CleanExitServer as Server
 
     engine = LLMEngine(config)
     aeng = AsyncEngine(engine)

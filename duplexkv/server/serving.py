@@ -12,13 +12,13 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TypeVar
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from duplexkv.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from duplexkv.engine.llm_engine import LLMEngine, RequestOutput, RequestRejected
@@ -33,6 +33,7 @@ from duplexkv.server.errors import (
 from duplexkv.server.metrics import ServerMetrics
 from duplexkv.server.protocol import GenerateRequest, Kind, parse_json, parse_request
 from duplexkv.server.responses import DONE, Formatter, cached_tokens, sse
+from duplexkv.server.sse import SSEResponse
 
 log = logging.getLogger("duplexkv.server")
 T = TypeVar("T")
@@ -111,22 +112,6 @@ class RequestIds:
         self.in_flight.discard(rid)
 
 
-class SSEResponse(StreamingResponse):
-    """Always closes its body iterator and runs `on_close`, even if streaming never started, so
-    a dropped client aborts the engine request."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content, on_close: Callable[[], Awaitable[None]], **kw) -> None:
-        super().__init__(content, **kw)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            await self.on_close()
 
 
 async def _until_disconnected(request: Request) -> None:
