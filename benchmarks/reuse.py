@@ -25,7 +25,7 @@ import httpx
 from duplexkv.launch import bidirectional_kv, spawn, wait_ready, worker_args
 
 MISS = {"do_remote_decode": True, "do_remote_prefill": False}
-NEW_TURN = 256
+NEW_TURN = 256  # default of --new-tokens
 
 
 def p_leg(client: httpx.Client, url: str, prompt: list[int], params: dict) -> tuple[float, dict]:
@@ -57,9 +57,10 @@ def main() -> None:
     ap.add_argument("--connector", default="TcpConnector", choices=["TcpConnector",
                                                                     "NixlConnector"])
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=NEW_TURN, help="tokens of the new turn")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    max_len = max(args.lengths) + NEW_TURN + 64
+    max_len = max(args.lengths) + args.new_tokens + 64
     common = ["--max-model-len", str(max(max_len, 4096)), "--kv-cache-memory", "1.0"]
     kv = bidirectional_kv(args.connector)
     logs = Path(tempfile.mkdtemp(prefix="duplexkv-reuse-"))
@@ -83,7 +84,7 @@ def main() -> None:
                         for i in range(hist - 64)]
                 d_params, dj = d_turn(client, p, d, base, 65)
                 history = base + dj["choices"][0]["token_ids"]
-                prompt = history + [(31 * i + rep) % (vocab - 10) + 5 for i in range(NEW_TURN)]
+                prompt = history + [(31 * i + rep) % (vocab - 10) + 5 for i in range(args.new_tokens)]
                 pull_s, pj = p_leg(client, p, prompt, {**d_params, **MISS})
                 p_leg(client, p_local, history + [5], MISS)  # warm P's own cache
                 local_s, lj = p_leg(client, p_local, prompt, MISS)

@@ -8,8 +8,12 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from duplexkv.bench.demo import add_demo
+from duplexkv.bench.multiturn import add_bench
 from duplexkv.model.config import ModelLoadError
+from duplexkv.router.serve import add_router_parser
 from duplexkv.server.serve import add_serve_parser
+from duplexkv.up import add_up
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,24 +47,9 @@ def add_make_model(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_make_model)
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from duplexkv.bench.offline_demo import run
-
-    run(args.model, turns=args.turns, max_tokens=args.max_tokens, dtype=args.dtype)
-    return 0
-
-
-def add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="a short multi-turn agentic session on the default model")
-    p.add_argument("--model", default="bench", help="model directory or preset (default: bench)")
-    p.add_argument("--turns", type=int, default=5)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.set_defaults(run=_demo)
-
-
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_make_model, add_serve_parser, add_demo]
+    add_make_model, add_serve_parser, add_router_parser, add_up, add_demo,
+    add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,16 +1,23 @@
 """Start `duplexkv` server processes on localhost and wait until they serve (for `up`, the demo
-and the benchmarks). Each process logs to its own file; a failed start raises with its tail."""
+and the benchmarks). Each process logs to its own file; a failed start raises with its tail.
+
+    spawn / wait_ready / stop_all   single processes
+    Cluster(ClusterSpec)            a router in front of N prefill + N decode workers
+"""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -52,8 +59,34 @@ class Proc:
             self.proc.kill()
             self.proc.wait()
 
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
 
-def spawn(name: str, args: list[str], log_dir: Path, env: dict | None = None) -> Proc:
+
+def stop_all(procs: list[Proc], timeout_s: float = 20) -> None:
+    """SIGTERM to every process at once, then wait for each (SIGKILL after `timeout_s`)."""
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies (Linux), so a launcher that is
+    killed outright leaves no orphans."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def spawn(name: str, args: list[str], log_dir: Path, env: dict | None = None,
+          die_with_parent: bool = False) -> Proc:
+    """Start `duplexkv ARGS` in its own session (a terminal's Ctrl-C goes to the launcher only).
+    `die_with_parent` ties the child to the calling thread's life: spawn from the main thread."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     cmd = [sys.executable, "-m", "duplexkv.cli", *args]
@@ -61,7 +94,8 @@ def spawn(name: str, args: list[str], log_dir: Path, env: dict | None = None) ->
                 **(env or {})}
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_die_with_parent if die_with_parent else None)
     return Proc(name, proc, log)
 
 
@@ -100,3 +134,100 @@ def bidirectional_kv(connector: str = "TcpConnector", enabled: bool = True, **ex
     return {"kv_connector": connector, "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"bidirectional_kv_xfer": enabled, **extra}}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model: str = "bench"  # a preset (made once, here, before any worker starts) or a directory
+    prefill: int = 1
+    decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0  # the router's; 0 = a free port (workers always take free ports)
+    store: str = "memory"
+    bidirectional: bool = True
+    connector: str = "TcpConnector"
+    worker_args: tuple[str, ...] = ()  # extra `serve` flags for every worker
+    prefill_args: tuple[str, ...] = ()  # ... for prefill workers only (the benchmark passes
+    decode_args: tuple[str, ...] = ()  # --no-enable-prefix-caching, as in AWS's evaluation)
+    log_dir: Path | None = None  # default: a new temporary directory
+
+    def __post_init__(self) -> None:
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError("a cluster needs at least one prefill and one decode worker")
+
+
+@dataclass
+class Cluster:
+    """A router and its workers on localhost, started together and stopped together.
+
+    start() raises LaunchError (with the failing process's log tail) after stopping whatever it
+    had started; stop() stops the router first, then every worker at once."""
+
+    spec: ClusterSpec
+    on_event: Callable[[str], None] = lambda _msg: None
+    log_dir: Path = field(init=False)
+    workers: list[Proc] = field(default_factory=list, init=False)
+    router: Proc | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.log_dir = self.spec.log_dir or Path(tempfile.mkdtemp(prefix="duplexkv-up-"))
+
+    @property
+    def url(self) -> str:
+        return self.router.url if self.router else ""
+
+    @property
+    def prefill(self) -> list[Proc]:
+        return [w for w in self.workers if w.name.startswith("prefill")]
+
+    @property
+    def decode(self) -> list[Proc]:
+        return [w for w in self.workers if w.name.startswith("decode")]
+
+    @property
+    def procs(self) -> list[Proc]:
+        return [*self.workers, *([self.router] if self.router else [])]
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        p = spawn(name, args, self.log_dir, die_with_parent=True)
+        self.on_event(f"started {name} (pid {p.proc.pid}, log {p.log})")
+        return p
+
+    def start(self, timeout_s: float = 300) -> Cluster:
+        s = self.spec
+        from duplexkv.model.registry import resolve_model
+
+        resolve_model(s.model)  # a preset is made once here, not raced by every worker
+        kv = bidirectional_kv(s.connector, s.bidirectional)
+        try:
+            for role, n in (("prefill", s.prefill), ("decode", s.decode)):
+                for i in range(n):
+                    extra = [*s.worker_args, *(s.prefill_args if role == "prefill"
+                                               else s.decode_args)]
+                    self.workers.append(self._spawn(f"{role}-{i}", worker_args(s.model, kv,
+                                                                               *extra)))
+            wait_ready(self.workers, timeout_s)
+            self.router = self._spawn("router", [
+                "router", "--host", s.host, "--port", str(s.port), "--store", s.store,
+                "--prefill", *(p.url for p in self.prefill),
+                "--decode", *(d.url for d in self.decode)])
+            wait_ready([self.router], timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def dead(self) -> Proc | None:
+        """The first process that has exited, if any."""
+        return next((p for p in self.procs if not p.alive()), None)
+
+    def stop(self, timeout_s: float = 20) -> None:
+        if self.router:
+            stop_all([self.router], timeout_s)
+        stop_all(self.workers, timeout_s)
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,98 @@
+"""`duplexkv demo`: `up` on the default model, then one agentic conversation (a system prompt,
+growing tool outputs, several turns) run twice, reuse off and on, and a table per turn.
+
+P runs without prefix caching, as in AWS's evaluation: a busy prefill worker has long evicted
+the conversation, so without reuse it recomputes the whole history every turn; with reuse it
+READs the history's KV from the decode worker that produced it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from duplexkv.bench.client import Result
+from duplexkv.bench.multiturn import BenchConfig, make_console, prepare, run_modes
+from duplexkv.bench.report import ratio
+from duplexkv.bench.workload import Sizes
+from duplexkv.launch import LaunchError
+from duplexkv.up import add_cluster_args
+
+DEMO_SIZES = Sizes(1024, (1024, 1536), (48, 64))
+
+
+def demo_table(results: list[Result]) -> Table:
+    t = Table(title="One agentic conversation, twice: TTFT per turn (router -> P -> D, "
+                    "measured by the client)", title_justify="left")
+    for h in ("turn", "context tokens", "TTFT reuse off", "TTFT reuse on", "speed-up",
+              "tokens pulled from D", "tokens recomputed"):
+        t.add_column(h, justify="right")
+    off = {r.turn: r for r in results if r.mode == "off"}
+    on = {r.turn: r for r in results if r.mode == "on"}
+    for turn in sorted(set(off) | set(on)):
+        a, b = off.get(turn), on.get(turn)
+        ctx = (b or a).context_tokens
+        speed = ratio(a and a.ttft_ms, b and b.ttft_ms)
+        t.add_row(str(turn), f"{ctx:,}", _s(a), _s(b), "-" if speed is None else f"{speed:.1f}x",
+                  "-" if b is None or b.error else f"{b.pulled_tokens:,}",
+                  "-" if b is None or b.error else f"{b.recomputed_tokens:,}")
+    return t
+
+
+def _s(r: Result | None) -> str:
+    if r is None:
+        return "-"
+    return "failed" if r.error or r.ttft_ms is None else f"{r.ttft_ms / 1e3:.2f} s"
+
+
+def run(cfg: BenchConfig, console: Console | None = None) -> list[Result]:
+    console = console or make_console()
+    t0 = time.perf_counter()
+    console.print(__doc__.split("\n\n")[1].replace("\n", " "))
+    convs, source = prepare(cfg, console)
+    results, _ = run_modes(cfg, console, convs, source)
+    console.print(demo_table(results))
+    last = max((r.turn for r in results if r.mode == "on" and not r.error), default=0)
+    pair = [r for r in results if r.turn == last and not r.error]
+    if len(pair) == 2:
+        off, on = sorted(pair, key=lambda r: r.mode != "off")
+        console.print(f"At {on.context_tokens:,} tokens of history, reuse cut the time to first "
+                      f"token from {off.ttft_ms / 1e3:.2f} s to {on.ttft_ms / 1e3:.2f} s "
+                      f"({off.ttft_ms / on.ttft_ms:.1f}x): P pulled {on.pulled_tokens:,} tokens "
+                      f"of KV from D and computed {on.recomputed_tokens:,}.")
+    console.print(f"demo took {time.perf_counter() - t0:.0f} s; worker logs in "
+                  f"{cfg.output_dir / 'logs'}. Next: `duplexkv up` to serve, "
+                  f"`duplexkv bench multiturn` to measure.")
+    return results
+
+
+def add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="start a cluster and show reuse on a multi-turn "
+                                    "conversation (the first command to run)",
+                       description=__doc__.split("\n\n")[0])
+    add_cluster_args(p)
+    p.add_argument("--max-context", type=int, default=8192, metavar="TOKENS")
+    p.add_argument("--system-tokens", type=int, default=DEMO_SIZES.system_tokens)
+    p.add_argument("--input-tokens", type=int, nargs=2, default=DEMO_SIZES.input_tokens,
+                   metavar=("MIN", "MAX"))
+    p.add_argument("--answer-tokens", type=int, nargs=2, default=DEMO_SIZES.answer_tokens,
+                   metavar=("MIN", "MAX"))
+    p.set_defaults(run=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    sizes = Sizes(args.system_tokens, tuple(args.input_tokens), tuple(args.answer_tokens))
+    log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="duplexkv-demo-"))
+    cfg = BenchConfig(workload="agentic", max_context=args.max_context, modes=("off", "on"),
+                      sizes=sizes, model=args.model, connector=args.kv_connector,
+                      dtype=args.dtype, output_dir=log_root)
+    try:
+        results = run(cfg)
+    except LaunchError as e:
+        raise ValueError(str(e)) from None
+    return 1 if any(r.error for r in results) else 0

@@ -1,0 +1,88 @@
+"""Where the benchmark sends its requests: a given router/worker URL (checked first), or a
+cluster and a single worker it launches itself, one after the other."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import httpx
+
+from duplexkv.launch import Cluster, ClusterSpec, spawn, stop_all, wait_ready, worker_args
+from duplexkv.model.registry import resolve_model
+
+if TYPE_CHECKING:
+    from duplexkv.bench.multiturn import BenchConfig
+
+Log = Callable[[str], None]
+
+
+class BenchError(ValueError):
+    """The target is unreachable or misconfigured (one clear CLI error line)."""
+
+
+def check_target(url: str, what: str) -> str:
+    """The served model's name; BenchError when `url` is not a healthy duplexkv/vLLM server."""
+    try:
+        health = httpx.get(url + "/health", timeout=10)
+        models = httpx.get(url + "/v1/models", timeout=10)
+    except httpx.HTTPError as e:
+        raise BenchError(f"cannot reach the {what} at {url} ({e!r}); start one with `duplexkv "
+                         f"up` or omit --url to let the benchmark launch its own") from None
+    if health.status_code != 200:
+        raise BenchError(f"the {what} at {url} is not healthy (GET /health -> "
+                         f"{health.status_code}: {health.text[:300]})")
+    try:
+        return models.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise BenchError(f"{url}/v1/models does not list a model ({models.status_code}: "
+                         f"{models.text[:200]}); is it an OpenAI-compatible server?") from None
+
+
+@contextlib.contextmanager
+def given(url: str, what: str) -> Iterator[tuple[str, str]]:
+    yield url, check_target(url, what)
+
+
+@contextlib.contextmanager
+def launched_cluster(cfg: BenchConfig, log: Log) -> Iterator[tuple[str, str]]:
+    spec = ClusterSpec(model=cfg.model, connector=cfg.connector,
+                       prefill_args=("--no-enable-prefix-caching",),
+                       worker_args=cfg.worker_flags, log_dir=cfg.output_dir / "logs")
+    with Cluster(spec, on_event=log) as cluster:
+        log(f"cluster up: router {cluster.url} (1 P without prefix caching, 1 D)")
+        yield cluster.url, check_target(cluster.url, "router")
+
+
+@contextlib.contextmanager
+def launched_worker(cfg: BenchConfig, log: Log) -> Iterator[tuple[str, str]]:
+    resolve_model(cfg.model)
+    w = spawn("ideal", worker_args(cfg.model, None, *cfg.worker_flags), cfg.output_dir / "logs",
+              die_with_parent=True)
+    try:
+        wait_ready([w])
+        log(f"single worker up: {w.url} (prefix caching on)")
+        yield w.url, check_target(w.url, "worker")
+    finally:
+        stop_all([w])
+
+
+def phases(cfg: BenchConfig, log: Log) -> list[tuple[tuple[str, ...], Callable]]:
+    """(modes, target context) in running order."""
+    pd = tuple(m for m in ("off", "on") if m in cfg.modes)
+    out = []
+    if cfg.url:
+        if pd:
+            out.append((pd, lambda: given(cfg.url, "router")))
+        if "ideal" in cfg.modes:
+            if cfg.ideal_url:
+                out.append((("ideal",), lambda: given(cfg.ideal_url, "ideal worker")))
+            else:
+                log("[yellow]no --ideal-url: the ideal mode is skipped[/yellow]")
+    else:
+        if pd:
+            out.append((pd, lambda: launched_cluster(cfg, log)))
+        if "ideal" in cfg.modes:
+            out.append((("ideal",), lambda: launched_worker(cfg, log)))
+    return out

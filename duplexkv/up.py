@@ -1,0 +1,158 @@
+"""`duplexkv up`: a router and N prefill + N decode workers on localhost, until Ctrl-C or SIGTERM.
+
+Workers take free ports; the router takes --port (default 8000, or a free port when 8000 is
+taken). Every process logs to its own file. A process that fails to start (or dies later) stops
+the whole cluster and its log's last lines are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from duplexkv.launch import Cluster, ClusterSpec, LaunchError
+from duplexkv.kv.config import CONNECTORS
+
+DEFAULT_PORT = 8000
+
+
+class Shutdown(Exception):
+    """SIGTERM (or SIGINT) arrived."""
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="bench",
+                   help="model directory or preset (default: bench, made on first use)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="workers' dtype (default: the workers' default, bfloat16)")
+    p.add_argument("--kv-connector", choices=sorted(CONNECTORS), default="TcpConnector",
+                   help="P<->D KV transport (default: TcpConnector, needs nothing extra)")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="where the workers and the router log (default: a new temp dir)")
+
+
+def add_up(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start a router + prefill + decode workers on localhost",
+                       description=__doc__.splitlines()[0])
+    add_cluster_args(p)
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, metavar="N", help="decode workers")
+    p.add_argument("--port", type=int, default=None,
+                   help=f"router port (default {DEFAULT_PORT}, or a free one if it is taken)")
+    p.add_argument("--host", default="127.0.0.1", help="router host")
+    p.add_argument("--store", default="memory", metavar="URL",
+                   help="conversation store: memory (default) or redis://host:port/db")
+    p.add_argument("--no-bidirectional", dest="bidirectional", action="store_false",
+                   help="plain P->D disaggregation: no D->P reuse of a conversation's history")
+    p.set_defaults(run=run_up)
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def spec_from_args(args: argparse.Namespace, **overrides) -> ClusterSpec:
+    extra = ("--dtype", args.dtype) if args.dtype else ()
+    kw = dict(model=args.model, connector=args.kv_connector, worker_args=extra,
+              log_dir=args.log_dir)
+    return ClusterSpec(**{**kw, **overrides})
+
+
+@contextlib.contextmanager
+def signals_as_shutdown() -> Iterator[None]:
+    """SIGTERM and SIGINT raise Shutdown in the main thread while inside the block."""
+    def handler(signum, _frame):
+        raise Shutdown(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def stop_quietly(cluster: Cluster) -> None:
+    """Stop the cluster; further Ctrl-C / SIGTERM are ignored meanwhile (stragglers get SIGKILL
+    after a timeout, so this always ends)."""
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        cluster.stop(timeout_s=15)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def served_model(url: str) -> str:
+    try:
+        return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return "default"
+
+
+def examples(url: str, model: str) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello! What can you do?"}],
+            "max_tokens": 32}
+    curl = (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-H 'X-Session-ID: my-conversation' \\\n  -d {shlex.quote(json.dumps(body))}")
+    py = (f'from openai import OpenAI\n'
+          f'client = OpenAI(base_url="{url}/v1", api_key="none")\n'
+          f'r = client.chat.completions.create(\n'
+          f'    model="{model}", max_tokens=32,\n'
+          f'    messages=[{{"role": "user", "content": "Hello! What can you do?"}}],\n'
+          f'    extra_body={{"conversation_id": "my-conversation"}})  # turn N+1 reuses turn N\n'
+          f'print(r.choices[0].message.content)')
+    indented = "\n".join("  " + line for line in py.split("\n"))
+    return f"curl:\n  {curl}\n\nopenai (Python):\n{indented}"
+
+
+def run_up(args: argparse.Namespace) -> int:
+    port = args.port
+    if port is None:
+        port = DEFAULT_PORT if port_free(args.host, DEFAULT_PORT) else 0
+    spec = spec_from_args(args, prefill=args.prefill, decode=args.decode, host=args.host,
+                          port=port, store=args.store, bidirectional=args.bidirectional)
+    cluster = Cluster(spec, on_event=lambda msg: print(msg, flush=True))
+    print(f"starting {spec.prefill} prefill + {spec.decode} decode worker(s) of {spec.model} "
+          f"and a router; logs in {cluster.log_dir}", flush=True)
+    t0 = time.monotonic()
+    try:
+        with signals_as_shutdown():
+            cluster.start()
+            model = served_model(cluster.url)
+            print(f"\nduplexkv is up in {time.monotonic() - t0:.0f}s: router {cluster.url}  "
+                  f"(model {model!r}, bidirectional KV "
+                  f"{'on' if spec.bidirectional else 'off'})")
+            for w in cluster.workers:
+                print(f"  {w.name:10s} {w.url}  pid {w.proc.pid}")
+            print(f"  {'router':10s} {cluster.url}  pid {cluster.router.proc.pid}")
+            print(f"\n{examples(cluster.url, model)}\n\nPress Ctrl-C to stop.", flush=True)
+            while (dead := cluster.dead()) is None:
+                time.sleep(0.5)
+            print(f"duplexkv: error: {dead.name} exited with code {dead.proc.returncode}; "
+                  f"last lines of {dead.log}:\n{dead.tail()}", file=sys.stderr, flush=True)
+            return 1
+    except Shutdown as e:
+        print(f"\n{e}: stopping the cluster ...", flush=True)
+        return 0
+    except LaunchError as e:
+        print(f"duplexkv: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stop_quietly(cluster)
+        print("stopped (router and workers exited)", flush=True)
