@@ -8,7 +8,9 @@ attends with `scaled_dot_product_attention`:
     seq tokens     0 ........ start-1 | start ...... start+n-1
                    already in pool    | new this step (queries)
     fresh prefill (start == 0): attend over the new K/V with is_causal (no gather)
-    otherwise: gather the sequence's blocks, mask query i to keys <= start + i (lower-right causal)
+    otherwise: queries attend to the cached prefix without a mask and to the new tokens with
+    is_causal, and the two partial results are merged by their log-sum-exp (exactly the
+    lower-right causal attention, but both halves run SDPA's fast kernel; a mask is 2-3x slower)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class SeqAttn:
     num_new: int
     start: int  # tokens already in the pool before this step
     block_table: torch.Tensor  # int64 block ids covering start + num_new tokens
-    mask: torch.Tensor | None  # [num_new, start + num_new] bool, when needed
+    mask: torch.Tensor | None  # [num_new, start + num_new] bool, only without the split kernel
     mirror: Mirror | None = None  # contiguous copy of the context (see staging.py)
 
     @property
@@ -43,6 +45,8 @@ class AttnContext:
 
 
 _CTX: AttnContext | None = None
+# SDPA's CPU flash kernel, which also returns the log-sum-exp (None if this torch lacks it)
+_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def set_context(ctx: AttnContext) -> None:
@@ -65,7 +69,7 @@ def build_seq_attn(q_start: int, num_new: int, start: int, block_ids: list[int],
     ctx_len = start + num_new
     table = torch.tensor(block_ids[: -(-ctx_len // block_size)], dtype=torch.long)
     mask = None
-    if start > 0 and num_new > 1:
+    if start > 0 and num_new > 1 and _FLASH_LSE is None:
         mask = torch.ones(num_new, ctx_len, dtype=torch.bool).tril(start)
     return SeqAttn(q_start, num_new, start, table, mask, mirror)
 
@@ -74,6 +78,16 @@ def _gather(pool: torch.Tensor, s: SeqAttn, layer: int, kv: int, num_kv: int,
             head_dim: int) -> torch.Tensor:
     """K (kv=0) or V (kv=1) of the sequence's blocks, contiguous as [tokens, KVH, D]."""
     return pool[s.block_table, layer, kv].view(-1, num_kv, head_dim)
+
+
+def _prefix_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                   scale: float) -> torch.Tensor:
+    """Lower-right causal attention of q [1, H, n, D] over k/v [1, H, start + n, D]."""
+    o1, lse1 = _FLASH_LSE(q, k[:, :, :start], v[:, :, :start], scale=scale)[:2]
+    o2, lse2 = _FLASH_LSE(q, k[:, :, start:], v[:, :, start:], is_causal=True, scale=scale)[:2]
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m).unsqueeze(-1), torch.exp(lse2 - m).unsqueeze(-1)
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
@@ -117,7 +131,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
             if group > 1:  # expand KV heads: enable_gqa would take SDPA's slow math path
                 sk = sk.repeat_interleave(group, dim=1)
                 sv = sv.repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(
-                qh, sk, sv, attn_mask=s.mask, is_causal=s.mask is None, scale=scale)
+            if s.start > 0 and _FLASH_LSE is not None:
+                o = _prefix_causal(qh, sk, sv, s.start, scale)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qh, sk, sv, attn_mask=s.mask, is_causal=s.mask is None, scale=scale)
             out[rows] = o[0].transpose(0, 1)
     return out
