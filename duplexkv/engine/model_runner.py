@@ -9,7 +9,7 @@ from duplexkv.engine.kv_pool import DTYPE, allocate_pool
 from duplexkv.engine.scheduler import ScheduledSeq
 from duplexkv.engine.staging import MirrorSet
 from duplexkv.model.config import ModelConfig
-from duplexkv.model.qwen3 import CausalLM
+from duplexkv.model.qwen3 import CausalLM, Rotary
 
 
 class ModelRunner:
@@ -23,8 +23,8 @@ class ModelRunner:
         model = model.to_empty(device="cpu").to(self.dtype)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.rotary.inv_freq = (1.0 / (cfg.rope_theta ** (
-            torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim)))
+        # built on the meta device and cast: recompute the float32 table
+        model.rotary.inv_freq = Rotary.frequencies(cfg.head_dim, cfg.rope_theta)
         model.load_hf_weights(weights)
         self.model = model.eval()
         self.pool = allocate_pool(cfg, block_size, self.dtype, num_blocks)
@@ -57,7 +57,7 @@ class ModelRunner:
             hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.pool)
         finally:
             reset_context()
-        for sa, item in zip(seqs, batch):
+        for sa in seqs:
             if sa.mirror is not None:
                 sa.mirror.length = sa.ctx_len
         if not sample_rows:

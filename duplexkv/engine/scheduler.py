@@ -87,7 +87,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
-                self._apply_prefix_hit(seq)
+                self.apply_prefix_hit(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self._allocate(seq, seq.num_computed_tokens + n):
                 if seq.status is SeqStatus.WAITING and seq.num_hashed_blocks == seq.num_blocks:
@@ -104,7 +104,7 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _apply_prefix_hit(self, seq: Sequence) -> None:
+    def apply_prefix_hit(self, seq: Sequence) -> None:
         # at least one token must be computed to get logits, so never hit the whole sequence
         hits = self.bm.match_prefix(seq.all_token_ids, (seq.num_tokens - 1) // self.bm.block_size)
         self.bm.acquire(hits)

@@ -153,7 +153,7 @@ class KVConnector:
         else:
             return
         self.sched.waiting.remove(seq)
-        self.sched._apply_prefix_hit(seq)
+        self.sched.apply_prefix_hit(seq)
         self.sched.park(seq)
         pull = Pull(seq, p, threshold)
         self.pulls[seq.request_id] = pull
@@ -179,6 +179,11 @@ class KVConnector:
                     f"peer uses transport {hs.transport}, we use {self.cfg.transport}")
             self.peers[p.remote_engine_id] = info
         return info
+
+    def _connect(self, p: KVTransferParams, info: side_channel.PeerInfo) -> None:
+        if p.remote_engine_id not in self.connected:
+            self.transport.connect(p.remote_engine_id, info.handshake.transport_metadata)
+            self.connected.add(p.remote_engine_id)
 
     def _verify_job(self, rid: str, p: KVTransferParams, hashes: list, tokens: list) -> None:
         try:
@@ -221,9 +226,7 @@ class KVConnector:
                 self.reclaim(last - seq.num_blocks) and self.bm.allocate_for(seq, usable)):
             return self._decline(pull, "no_room", notify=info)
         try:
-            if p.remote_engine_id not in self.connected:
-                self.transport.connect(p.remote_engine_id, info.handshake.transport_metadata)
-                self.connected.add(p.remote_engine_id)
+            self._connect(p, info)
             pull.local_block_ids = seq.block_table[first:last]
             remote = list(p.remote_block_ids[first:last])
             if len(remote) != len(pull.local_block_ids):
@@ -246,9 +249,7 @@ class KVConnector:
         seq.stats.pull_outcome = reason
         if notify is not None:
             try:
-                if p.remote_engine_id not in self.connected:
-                    self.transport.connect(p.remote_engine_id, notify.handshake.transport_metadata)
-                    self.connected.add(p.remote_engine_id)
+                self._connect(p, notify)
                 self.transport.send_notif(p.remote_engine_id,
                                           f"skip:{p.remote_request_id}".encode())
             except Exception as e:

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from duplexkv.engine.block_manager import hash_block
+from duplexkv.engine.block_manager import hash_token_blocks
 
 
 @dataclass(slots=True)
@@ -69,11 +69,7 @@ class RetentionTable:
 
     def add(self, request_id: str, block_ids: list[int], token_ids: list[int], kind: str,
             duration_s: float) -> Retained:
-        hashes, parent = [], self.seed
-        bs = self.block_size
-        for i in range(len(token_ids) // bs):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
-            hashes.append(parent)
+        hashes = hash_token_blocks(self.seed, token_ids, self.block_size)
         entry = Retained(request_id, list(block_ids), list(token_ids), hashes, kind,
                          time.perf_counter() + duration_s)
         with self._lock:

@@ -29,9 +29,13 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float, max_pos: int) -> None:
         super().__init__()
+        self.register_buffer("inv_freq", self.frequencies(head_dim, theta), persistent=False)
+
+    @staticmethod
+    def frequencies(head_dim: int, theta: float) -> torch.Tensor:
+        """float32 inverse frequencies, as HF computes them."""
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (theta**exponents)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        return 1.0 / (theta**exponents)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
