@@ -11,6 +11,12 @@ attends with `scaled_dot_product_attention`:
     otherwise: queries attend to the cached prefix without a mask and to the new tokens with
     is_causal, and the two partial results are merged by their log-sum-exp (exactly the
     lower-right causal attention, but both halves run SDPA's fast kernel; a mask is 2-3x slower)
+
+Grouped-query attention: where no mask is needed (the cached prefix, one-token decode) the
+query heads of a KV group are folded into the query-length axis, [1, KVH, G * n, D], so the
+kernel reads each KV head once and the prefix is never expanded to H heads (bf16, 1.85k new
+over 13.7k cached: 121 ms per layer against 139 ms with repeat_interleave). Only the causal
+block over the new tokens expands its (small) K/V.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from duplexkv.engine.staging import Mirror
+from duplexkv.engine.staging import Mirror, fill_from_pool
 
 
 @dataclass(slots=True)
@@ -80,14 +86,29 @@ def _gather(pool: torch.Tensor, s: SeqAttn, layer: int, kv: int, num_kv: int,
     return pool[s.block_table, layer, kv].view(-1, num_kv, head_dim)
 
 
+def _fold(q: torch.Tensor, num_kv: int) -> torch.Tensor:
+    """q [n, H, D] -> [1, KVH, G * n, D]: a group's query heads one after another."""
+    n, h, d = q.shape
+    return q.view(n, num_kv, h // num_kv, d).permute(1, 2, 0, 3).reshape(1, num_kv, -1, d)
+
+
 def _prefix_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                    scale: float) -> torch.Tensor:
-    """Lower-right causal attention of q [1, H, n, D] over k/v [1, H, start + n, D]."""
-    o1, lse1 = _FLASH_LSE(q, k[:, :, :start], v[:, :, :start], scale=scale)[:2]
-    o2, lse2 = _FLASH_LSE(q, k[:, :, start:], v[:, :, start:], is_causal=True, scale=scale)[:2]
+    """Lower-right causal attention of q [n, H, D] over k/v [1, KVH, start + n, D] -> [n, H, D]."""
+    n, h, d = q.shape
+    num_kv = k.shape[1]
+    group = h // num_kv
+    o1, lse1 = _FLASH_LSE(_fold(q, num_kv), k[:, :, :start], v[:, :, :start], scale=scale)[:2]
+    o1, lse1 = o1.reshape(1, h, n, d), lse1.reshape(1, h, n)  # [KVH, G, n] is head-major
+    kn, vn = k[:, :, start:], v[:, :, start:]
+    if group > 1:
+        kn, vn = kn.repeat_interleave(group, dim=1), vn.repeat_interleave(group, dim=1)
+    qh = q.transpose(0, 1).contiguous()[None]  # [1, H, n, D]
+    o2, lse2 = _FLASH_LSE(qh, kn, vn, is_causal=True, scale=scale)[:2]
     m = torch.maximum(lse1, lse2)
     w1, w2 = torch.exp(lse1 - m).unsqueeze(-1), torch.exp(lse2 - m).unsqueeze(-1)
-    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
+    o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+    return o[0].transpose(0, 1).to(q.dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
@@ -105,10 +126,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
         if m is not None:
             mk, mv = m.kv[layer, 0], m.kv[layer, 1]  # [KVH, cap, D]
             if m.rebuild and s.start > 0:
-                mk[:, : s.start] = _gather(pool, s, layer, 0, num_kv, k.shape[-1])[: s.start] \
-                    .transpose(0, 1)
-                mv[:, : s.start] = _gather(pool, s, layer, 1, num_kv, k.shape[-1])[: s.start] \
-                    .transpose(0, 1)
+                fill_from_pool(mk, pool, s.block_table, layer, 0, s.start)
+                fill_from_pool(mv, pool, s.block_table, layer, 1, s.start)
             mk[:, s.start : s.ctx_len] = k[rows].transpose(0, 1)
             mv[:, s.start : s.ctx_len] = v[rows].transpose(0, 1)
             sk, sv = mk[None, :, : s.ctx_len], mv[None, :, : s.ctx_len]
@@ -125,16 +144,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
             qh = q[rows].view(1, num_kv, group, -1)
             o = F.scaled_dot_product_attention(qh, sk, sv, scale=scale)
             out[rows] = o.reshape(1, -1, o.shape[-1])
+        elif s.start > 0 and _FLASH_LSE is not None:
+            out[rows] = _prefix_causal(q[rows], sk, sv, s.start, scale)
         else:
             qh = q[rows].transpose(0, 1).contiguous()[None]  # [1, H, n, D]: contiguous is
             # markedly faster in the CPU flash kernel (bf16 8k: 490 vs 660 ms per layer)
             if group > 1:  # expand KV heads: enable_gqa would take SDPA's slow math path
                 sk = sk.repeat_interleave(group, dim=1)
                 sv = sv.repeat_interleave(group, dim=1)
-            if s.start > 0 and _FLASH_LSE is not None:
-                o = _prefix_causal(qh, sk, sv, s.start, scale)
-            else:
-                o = F.scaled_dot_product_attention(
-                    qh, sk, sv, attn_mask=s.mask, is_causal=s.mask is None, scale=scale)
+            o = F.scaled_dot_product_attention(
+                qh, sk, sv, attn_mask=s.mask, is_causal=s.mask is None, scale=scale)
             out[rows] = o[0].transpose(0, 1)
     return out

@@ -1,0 +1,77 @@
+"""The attention fast paths against plain references: the folded-GQA prefix/causal split against
+one masked SDPA call, the mirror rebuild against a gather, and the mirror buffers' budget."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from duplexkv import LLM, SamplingParams
+from duplexkv.engine import attention
+from duplexkv.engine.staging import MirrorSet, fill_from_pool
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("start,n", [(1, 5), (37, 11), (64, 64)])
+def test_prefix_causal_equals_masked_sdpa(heads, kv_heads, start, n):
+    if attention._FLASH_LSE is None:
+        pytest.skip("this torch has no CPU flash kernel with log-sum-exp")
+    g = torch.Generator().manual_seed(start * 100 + n)
+    d = 16
+    q = torch.randn(n, heads, d, generator=g)
+    k = torch.randn(1, kv_heads, start + n, d, generator=g)
+    v = torch.randn(1, kv_heads, start + n, d, generator=g)
+    got = attention._prefix_causal(q, k, v, start, d ** -0.5)
+    group = heads // kv_heads
+    mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+        attn_mask=mask, scale=d ** -0.5)[0].transpose(0, 1)
+    assert got.shape == (n, heads, d)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_fill_from_pool_matches_gather_for_partial_blocks():
+    pool = torch.randn(10, 3, 2, 4, 2, 8)  # blocks, layers, k/v, block size, kv heads, dim
+    table = torch.tensor([7, 2, 9, 0])
+    for num_tokens in (1, 4, 6, 16):
+        dst = torch.zeros(2, 32, 8)
+        fill_from_pool(dst, pool, table, 1, 1, num_tokens)
+        want = pool[table, 1, 1].reshape(-1, 2, 8)[:num_tokens].transpose(0, 1)
+        assert torch.equal(dst[:, :num_tokens], want)
+        assert not dst[:, num_tokens:].any()
+
+
+def test_mirror_buffers_are_reused_and_stay_in_budget():
+    token_bytes = 2 * 2 * 2 * 8 * 4  # layers * k/v * kv heads * dim * float32
+    ms = MirrorSet(2, 2, 8, torch.float32, budget_bytes=1024 * token_bytes)
+    a = ms.prepare("a", 0, 300)  # capacity 512
+    assert a is not None and a.capacity == 512 and not a.rebuild
+    a.length = 300
+    ptr = a.kv.data_ptr()
+    ms.drop_unless(set())  # a finished: its buffer becomes the spare
+    assert ms.used_bytes == 512 * token_bytes
+    b = ms.prepare("b", 200, 260)  # fits the spare: no new allocation, rebuild from the pool
+    assert b is not None and b.kv.data_ptr() == ptr and b.rebuild
+    assert ms.spare is None
+    c = ms.prepare("c", 0, 600)  # 1024 more would exceed the budget: gather instead
+    assert c is None and "c" not in ms.mirrors
+    b.length = 260
+    assert ms.prepare("b", 260, 261) is b and not b.rebuild
+    assert ms.used_bytes <= ms.budget_bytes
+
+
+def test_decode_without_mirrors_matches_mirrors(tiny_model_dir):
+    """The gather path (mirror budget exhausted) and the mirror path give the same tokens,
+    also for a prompt that hits the prefix cache mid-block (mirror rebuilt from the pool)."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompt = list(range(5, 90))
+    outs = []
+    for budget in (1 << 30, 0):
+        llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+        llm.engine.runner.mirrors.budget_bytes = budget
+        first = llm.generate([prompt], params)[0].token_ids
+        again = llm.generate([prompt + [7, 8, 9]], params)[0]
+        assert again.kv_stats.local_hit_tokens >= 80
+        outs.append((first, again.token_ids))
+        llm.engine.check_integrity()
+    assert outs[0] == outs[1]
