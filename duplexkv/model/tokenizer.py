@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from duplexkv.model.config import ModelLoadError
 from duplexkv.model.loader import read_json
+from duplexkv.model.segment_cache import SegmentCache
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -73,6 +74,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.eos_token_ids = eos_token_ids
         self.source = source
+        self.segments = SegmentCache(tokenizer)  # earlier messages' ids, reused across turns
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -117,7 +119,9 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens:
+            return self._tok.encode(text, add_special_tokens=True).ids
+        return self.segments.encode(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
