@@ -191,8 +191,8 @@ def test_bench_unreachable_router(tiny_model_dir: Path, capsys) -> None:
 def test_buckets_and_speedup() -> None:
     assert [bucket_of(n) for n in (1, 2048, 2049, 12289, 16384, 16385, 40000)] == \
         [2048, 2048, 4096, 16384, 16384, 24576, 49152]
-    rs = [Result("off", "c0", 1, context_tokens=15000, ttft_ms=5000),
-          Result("on", "c0", 1, context_tokens=15010, ttft_ms=500),
+    rs = [Result("off", "c0", 1, context_tokens=15000, ttft_ms=5000, prefill_ms=4800),
+          Result("on", "c0", 1, context_tokens=15010, ttft_ms=500, prefill_ms=400),
           Result("ideal", "c0", 1, context_tokens=15010, ttft_ms=400),
           Result("on", "c0", 2, context_tokens=17000, error="HTTP 500")]
     s = summarize(rs)
@@ -200,6 +200,8 @@ def test_buckets_and_speedup() -> None:
     assert row["label"] == "16k"
     assert row["speedup_on_off"] == pytest.approx(10) and row["on_vs_ideal"] == \
         pytest.approx(1.25)
+    assert row["ceiling_off_ideal"] == pytest.approx(12.5)
+    assert row["compute_off_on"] == pytest.approx(12)
     assert s["per_mode"]["on"]["failed"] == 1
 
 

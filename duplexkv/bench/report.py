@@ -2,7 +2,10 @@
 
 A request's context bucket is the first edge >= its prompt tokens: "16k" holds 12k < context
 <= 16k. Speed-up = p50 TTFT without reuse / p50 TTFT with reuse; on/ideal = p50 with reuse /
-p50 of the single worker whose local prefix cache holds the history. In the per-turn table the
+p50 of the single worker whose local prefix cache holds the history. Ceiling = p50 without reuse
+/ p50 ideal: the speed-up a cache already resident on P would give, which no transfer can beat;
+compute off/on = P's prefill compute time without / with reuse (p50), the pure compute ratio.
+In the per-turn table the
 token and time columns without a mode are reuse on's (P's leg: READ from D, computed, READ time,
 compute time; then D's READ of the new tail from P).
 """
@@ -61,7 +64,10 @@ def _stats(rs: list[Result]) -> dict:
 
 def _compare(row: dict) -> dict:
     off, on, ideal = (row.get(m, {}).get("ttft_p50") for m in MODES)
-    return {"speedup_on_off": ratio(off, on), "on_vs_ideal": ratio(on, ideal)}
+    compute_off, compute_on = (row.get(m, {}).get("prefill_ms_p50") for m in ("off", "on"))
+    return {"speedup_on_off": ratio(off, on), "on_vs_ideal": ratio(on, ideal),
+            "ceiling_off_ideal": ratio(off, ideal), "compute_off_on": ratio(compute_off,
+                                                                            compute_on)}
 
 
 def summarize(results: list[Result], wall_s: dict[str, float] | None = None) -> dict:
@@ -115,7 +121,9 @@ def bucket_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     modes = summary["modes"]
     head = ["context", "requests", *(f"TTFT {m} p50/p90 ms" for m in modes)]
     head += [h for h, need in (("speed-up on/off", {"off", "on"}),
-                               ("on / ideal", {"on", "ideal"})) if need <= set(modes)]
+                               ("on / ideal", {"on", "ideal"}),
+                               ("ceiling off/ideal", {"off", "ideal"}),
+                               ("P compute off/on", {"off", "on"})) if need <= set(modes)]
     rows = []
     for row in summary["by_bucket"]:
         n = "/".join(str(row.get(m, {}).get("n", 0)) for m in modes)
@@ -124,6 +132,10 @@ def bucket_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
             cells.append(_x(row["speedup_on_off"]))
         if {"on", "ideal"} <= set(modes):
             cells.append(_x(row["on_vs_ideal"]))
+        if {"off", "ideal"} <= set(modes):
+            cells.append(_x(row["ceiling_off_ideal"]))
+        if {"off", "on"} <= set(modes):
+            cells.append(_x(row["compute_off_on"]))
         rows.append(cells)
     return head, rows
 
