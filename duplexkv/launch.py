@@ -83,6 +83,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+# Several workers share the cores of one machine. OpenMP threads that spin while waiting for
+# work (libgomp's default) steal those cores from the other worker: P prefilling while D
+# decodes, 2 threads each on 2 cores, ran 2-3x slower than with passive waiting, which costs
+# nothing for a worker running alone (benchmarks/omp_contention.py). The user's setting wins.
+WORKER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def spawn(name: str, args: list[str], log_dir: Path, env: dict | None = None,
           die_with_parent: bool = False) -> Proc:
     """Start `duplexkv ARGS` in its own session (a terminal's Ctrl-C goes to the launcher only).
@@ -90,8 +97,8 @@ def spawn(name: str, args: list[str], log_dir: Path, env: dict | None = None,
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     cmd = [sys.executable, "-m", "duplexkv.cli", *args]
-    full_env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
-                **(env or {})}
+    full_env = {**WORKER_ENV_DEFAULTS, **os.environ,
+                "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(env or {})}
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env,
                                 stdin=subprocess.DEVNULL, start_new_session=True,

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from duplexkv.launch import WORKER_ENV_DEFAULTS
+
 DUPLEXKV = str(Path(sys.executable).parent / "duplexkv")
 MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -66,7 +68,7 @@ def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = Non
            "--dtype", "float32", *args]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
-    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    env = {**WORKER_ENV_DEFAULTS, **os.environ, "UCX_NET_DEVICES": "lo"}
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout_s
