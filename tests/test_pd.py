@@ -57,7 +57,10 @@ def test_p_to_d_matches_single_worker(cluster, reference):
     assert dj["choices"][0]["text"] == want.text
     stats = dj["kv_stats"]
     assert stats["pulled_tokens"] > 0 and stats["pull_outcome"] == "pulled"
-    assert stats["pulled_tokens"] + stats["local_hit_tokens"] == len(want.prompt_token_ids) - 1
+    # P's greedy first token came along: D READ every prompt token and computed none of them
+    assert params["first_token_id"] == want.token_ids[0]
+    assert stats["pulled_tokens"] + stats["local_hit_tokens"] == len(want.prompt_token_ids)
+    assert stats["computed_tokens"] == 0
     assert dj["kv_transfer_params"] is None  # bidirectional is off
     # D's read released P's lease
     deadline = time.monotonic() + 5
@@ -81,6 +84,37 @@ def test_p_to_d_streaming_and_chat(cluster, reference):
     assert text == want.text
     final = [e for e in events if e.get("kv_stats")]
     assert final and final[-1]["kv_stats"]["pulled_tokens"] > 0
+    d.assert_integrity()
+
+
+def test_first_token_from_p_only_when_both_legs_are_greedy(cluster, reference, tiny_model_dir):
+    _, p, d, _ = cluster
+    taken = d.kv()["counters"]["prefill_first_tokens"]
+    # a sampling P leg advertises no first token; D computes the last prompt token itself
+    pj = prefill_leg(p, "/v1/completions", body(temperature=0.9, seed=3))
+    assert "first_token_id" not in pj["kv_transfer_params"]
+    r = decode_leg(d, "/v1/completions", body(), pj["kv_transfer_params"])
+    stats = r.json()["kv_stats"]
+    want = reference(PROMPT)
+    assert r.json()["choices"][0]["text"] == want.text
+    assert stats["computed_tokens"] == 1
+    # a greedy P leg, but D samples: D does not take P's token either (its first draw is its own)
+    params = prefill_leg(p, "/v1/completions", body())["kv_transfer_params"]
+    assert params["first_token_id"] == want.token_ids[0]
+    sampled = body(temperature=0.9, seed=5, max_tokens=8)
+    r = decode_leg(d, "/v1/completions", sampled, params)
+    assert r.json()["kv_stats"]["computed_tokens"] == 1
+    alone = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=96).generate(
+        [PROMPT], SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True))[0]
+    assert r.json()["choices"][0]["text"] == alone.text  # seeded sampling as on one worker
+    assert d.kv()["counters"]["prefill_first_tokens"] == taken
+    # max_tokens=1 on D: the answer is P's token, and D computes nothing
+    params = prefill_leg(p, "/v1/completions", body())["kv_transfer_params"]
+    r = decode_leg(d, "/v1/completions", body(max_tokens=1), params)
+    assert r.json()["choices"][0]["text"] == reference(PROMPT, 1).text
+    assert r.json()["kv_stats"]["computed_tokens"] == 0
+    assert d.kv()["counters"]["prefill_first_tokens"] == taken + 1
+    p.assert_integrity()
     d.assert_integrity()
 
 

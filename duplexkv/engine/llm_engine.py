@@ -197,6 +197,13 @@ class LLMEngine:
                 outputs.append(self._append_token(st, tok))
         return outputs
 
+    def accept_token(self, request_id: str, tok: int) -> RequestOutput:
+        """Append a token sampled elsewhere (P's first token on a D leg) as this request's next
+        output, exactly as if this engine had sampled it; the next step computes its KV."""
+        st = self.requests[request_id]
+        assert st.seq.num_computed_tokens == st.seq.num_tokens, "token before its context"
+        return self._append_token(st, tok)
+
     def _mask_logits(self, logits: torch.Tensor, states: list[_ReqState]) -> None:
         for i, st in enumerate(states):
             p = st.seq.params

@@ -29,6 +29,8 @@ class KVTransferConfig:
     enforce_handshake_compat: bool = True
     read_timeout_s: float = 10.0
     expiry_margin_s: float = 5.0  # decline remote blocks that expire sooner than this
+    # D leg: emit P's greedy first token instead of recomputing the last prompt token
+    use_prefill_first_token: bool = True
 
     @property
     def transport(self) -> str:

@@ -82,7 +82,8 @@ class KVConnector:
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="kv-net")
         self.counters = {"pulls": 0, "pulled_tokens": 0, "pulled_bytes": 0, "transfer_ms": 0.0,
-                         "declined": {}, "retained": {"lease": 0, "ttl": 0}}
+                         "declined": {}, "retained": {"lease": 0, "ttl": 0},
+                         "prefill_first_tokens": 0}
         aeng.on_add = self.on_add
         aeng.before_step = self.poll
         aeng.poll_timeout = self.poll_timeout
@@ -109,12 +110,18 @@ class KVConnector:
         rid = f"{seq.request_id}-{uuid.uuid4().hex[:8]}"
         entry = self.retained.add(rid, blocks, seq.all_token_ids[:n], kind, duration)
         self.counters["retained"][kind] += 1
+        # P's first token is what a greedy D would compute, if nothing masked P's logits
+        sp = seq.params
+        first = seq.output_token_ids[0] if (
+            kind == "lease" and sp.greedy and sp.min_tokens == 0 and seq.output_token_ids
+            and n == seq.num_prompt_tokens) else None
         return KVTransferParams(
             do_remote_decode=kind == "ttl", do_remote_prefill=kind == "lease",
             remote_block_ids=tuple(blocks), remote_engine_id=self.engine_id,
             remote_request_id=rid, remote_host=self.server.host, remote_port=self.server.port,
             remote_num_tokens=n,
-            remote_blocks_expiry_time=entry.expiry if kind == "ttl" else None).to_dict()
+            remote_blocks_expiry_time=entry.expiry if kind == "ttl" else None,
+            first_token_id=first).to_dict()
 
     def _release(self, entry) -> None:
         if entry is not None:
@@ -210,7 +217,8 @@ class KVConnector:
         if error is not None:
             return self._decline(pull, "failed", error)
         matched = int(reply["matched"])
-        usable = min(matched, p.remote_num_tokens, seq.num_prompt_tokens - 1)
+        last_computed = 0 if self._takes_first_token(seq, p) else 1
+        usable = min(matched, p.remote_num_tokens, seq.num_prompt_tokens - last_computed)
         local = seq.num_computed_tokens
         gain = usable - local
         if matched == 0:
@@ -239,6 +247,23 @@ class KVConnector:
         pull.nbytes = len(remote) * self.engine.block_bytes
         return None
 
+    def _takes_first_token(self, seq: Sequence, p: KVTransferParams) -> bool:
+        """May this D leg emit P's first token instead of computing the last prompt token?
+        Only when both sides decode greedily over the same whole prompt (the READ must then
+        cover every prompt token) and this request's masking would not ban that token."""
+        tok, sp = p.first_token_id, seq.params
+        if not (self.cfg.use_prefill_first_token and p.do_remote_prefill and tok is not None
+                and sp.greedy and seq.num_output_tokens == 0
+                and p.remote_num_tokens == seq.num_prompt_tokens
+                and 0 <= tok < self.engine.model_config.vocab_size):
+            return False
+        if sp.min_tokens > 0:
+            banned = set(sp.stop_token_ids)
+            if not sp.ignore_eos:
+                banned.update(self.engine.tokenizer.eos_token_ids)
+            return tok not in banned
+        return True
+
     def _decline(self, pull: Pull, reason: str, error: str | None = None,
                  notify=None) -> RequestOutput | None:
         """Not pulling (or the pull failed): tell the holder, then compute locally or fail."""
@@ -263,7 +288,7 @@ class KVConnector:
         self.sched.unpark(seq)
         return None
 
-    def _on_read_done(self, pull: Pull) -> None:
+    def _on_read_done(self, pull: Pull) -> RequestOutput | None:
         seq = pull.seq
         self.pulls.pop(seq.request_id, None)
         gained = pull.usable_tokens - seq.num_computed_tokens
@@ -278,7 +303,15 @@ class KVConnector:
         c["pulled_tokens"] += gained
         c["pulled_bytes"] += pull.nbytes
         c["transfer_ms"] += ms
+        if seq.num_computed_tokens == seq.num_prompt_tokens:  # see _takes_first_token
+            c["prefill_first_tokens"] += 1
+            self.bm.cache_blocks(seq)  # no step may follow (the request can finish right here)
+            out = self.engine.accept_token(seq.request_id, pull.params.first_token_id)
+            if not seq.is_finished:
+                self.sched.unpark(seq)
+            return out
         self.sched.unpark(seq)
+        return None
 
     def on_abort(self, seq: Sequence) -> None:
         self.req_params.pop(seq.request_id, None)
@@ -311,7 +344,9 @@ class KVConnector:
             state = self.transport.poll(pull.handle)
             if state is XferState.DONE:
                 self.transport.release(pull.handle)
-                self._on_read_done(pull)
+                out = self._on_read_done(pull)
+                if out is not None:
+                    outs.append(out)
             elif state is XferState.FAILED:
                 err = getattr(pull.handle, "error", "transfer failed")
                 self.transport.release(pull.handle)

@@ -20,6 +20,9 @@ class KVCollector(Collector):
                                   value=c["pulled_bytes"])
         yield CounterMetricFamily("duplexkv_kv_pull_seconds", "Time spent in KV READs",
                                   value=c["transfer_ms"] / 1e3)
+        yield CounterMetricFamily("duplexkv_kv_prefill_first_tokens", "Decode legs that emitted "
+                                  "P's greedy first token instead of recomputing the last prompt "
+                                  "token", value=c["prefill_first_tokens"])
         declined = CounterMetricFamily("duplexkv_kv_pull_declined",
                                        "Remote KV not used, by reason", labels=["reason"])
         for reason in ("threshold", "mismatch", "expired", "failed", "no_room", "unknown",

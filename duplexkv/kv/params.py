@@ -26,6 +26,10 @@ class KVTransferParams:
     remote_num_tokens: int = 0
     remote_blocks_expiry_time: float | None = None
     tp_size: int = 1
+    # duplexkv's extension: the holder's greedy first token after these tokens (P's answer to
+    # its prefill leg), so a greedy reader can emit it instead of recomputing the last prompt
+    # token; absent from vLLM's dicts, ignored by vLLM readers
+    first_token_id: int | None = None
     extra: dict = field(default_factory=dict)  # unknown keys, passed through untouched
 
     @property
@@ -73,6 +77,7 @@ class KVTransferParams:
             remote_num_tokens=int(get("remote_num_tokens", int, 0) or 0),
             remote_blocks_expiry_time=get("remote_blocks_expiry_time", (int, float)),
             tp_size=int(get("tp_size", int, 1) or 1),
+            first_token_id=get("first_token_id", int),
             extra={k: v for k, v in d.items() if k not in known and not k.startswith("_")},
         )
 
@@ -92,4 +97,6 @@ class KVTransferParams:
             "dcp_size": 1,
             "pp_size": 1,
             "transfer_mode": "pull",
+            **({"first_token_id": self.first_token_id} if self.first_token_id is not None
+               else {}),
         }
