@@ -76,3 +76,15 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir, vocab):
     c = llm.generate([p], SamplingParams(max_tokens=16, temperature=0.8, seed=8,
                                          ignore_eos=True))[0].token_ids
     assert a == b and a != c
+
+
+def test_min_tokens_masks_stop_and_eos_tokens(tiny_model_dir, vocab):
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    p = prompts(1, 30, 30, 6, vocab)[0]
+    first = llm.generate([p], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    out = llm.generate([p], SamplingParams(max_tokens=4, temperature=0, min_tokens=2,
+                                           stop_token_ids=[first]))[0]
+    assert out.token_ids[0] != first and len(out.token_ids) >= 2
+    # without min_tokens the same stop token ends the request at once
+    out = llm.generate([p], SamplingParams(max_tokens=4, temperature=0, stop_token_ids=[first]))[0]
+    assert out.token_ids == [first] and out.finish_reason == "stop"

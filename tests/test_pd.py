@@ -108,6 +108,14 @@ def test_first_token_from_p_only_when_both_legs_are_greedy(cluster, reference, t
         [PROMPT], SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True))[0]
     assert r.json()["choices"][0]["text"] == alone.text  # seeded sampling as on one worker
     assert d.kv()["counters"]["prefill_first_tokens"] == taken
+    # D's min_tokens bans P's token (as a stop token): D computes its own, masked, first token
+    params = prefill_leg(p, "/v1/completions", body())["kv_transfer_params"]
+    banned = params["first_token_id"]
+    r = decode_leg(d, "/v1/completions", body(min_tokens=1, stop_token_ids=[banned],
+                                              return_token_ids=True), params)
+    assert r.json()["kv_stats"]["computed_tokens"] == 1
+    assert r.json()["choices"][0]["token_ids"][0] != banned
+    assert d.kv()["counters"]["prefill_first_tokens"] == taken
     # max_tokens=1 on D: the answer is P's token, and D computes nothing
     params = prefill_leg(p, "/v1/completions", body())["kv_transfer_params"]
     r = decode_leg(d, "/v1/completions", body(max_tokens=1), params)

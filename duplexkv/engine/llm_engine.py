@@ -204,12 +204,18 @@ class LLMEngine:
         assert st.seq.num_computed_tokens == st.seq.num_tokens, "token before its context"
         return self._append_token(st, tok)
 
+    def banned_tokens(self, seq: Sequence) -> list[int]:
+        """Tokens the sampler may not pick next: stop and eos tokens before min_tokens."""
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.tokenizer.eos_token_ids))
+
+    @torch.inference_mode()  # the logits are inference tensors: modify them in that mode
     def _mask_logits(self, logits: torch.Tensor, states: list[_ReqState]) -> None:
         for i, st in enumerate(states):
-            p = st.seq.params
-            if st.seq.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos
-                                                   else list(self.tokenizer.eos_token_ids))
+            banned = self.banned_tokens(st.seq)
+            if banned:
                 logits[i, banned] = float("-inf")
 
     def _append_token(self, st: _ReqState, tok: int) -> RequestOutput:

@@ -251,18 +251,12 @@ class KVConnector:
         """May this D leg emit P's first token instead of computing the last prompt token?
         Only when both sides decode greedily over the same whole prompt (the READ must then
         cover every prompt token) and this request's masking would not ban that token."""
-        tok, sp = p.first_token_id, seq.params
-        if not (self.cfg.use_prefill_first_token and p.do_remote_prefill and tok is not None
-                and sp.greedy and seq.num_output_tokens == 0
+        tok = p.first_token_id
+        return (self.cfg.use_prefill_first_token and p.do_remote_prefill and tok is not None
+                and seq.params.greedy and seq.num_output_tokens == 0
                 and p.remote_num_tokens == seq.num_prompt_tokens
-                and 0 <= tok < self.engine.model_config.vocab_size):
-            return False
-        if sp.min_tokens > 0:
-            banned = set(sp.stop_token_ids)
-            if not sp.ignore_eos:
-                banned.update(self.engine.tokenizer.eos_token_ids)
-            return tok not in banned
-        return True
+                and 0 <= tok < self.engine.model_config.vocab_size
+                and tok not in self.engine.banned_tokens(seq))
 
     def _decline(self, pull: Pull, reason: str, error: str | None = None,
                  notify=None) -> RequestOutput | None:
