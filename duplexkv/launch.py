@@ -90,6 +90,12 @@ def _die_with_parent() -> None:
 WORKER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def worker_env(extra: dict | None = None) -> dict:
+    """A worker's environment: the defaults above, then ours, loopback UCX unless set, `extra`."""
+    return {**WORKER_ENV_DEFAULTS, **os.environ,
+            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(extra or {})}
+
+
 def spawn(name: str, args: list[str], log_dir: Path, env: dict | None = None,
           die_with_parent: bool = False) -> Proc:
     """Start `duplexkv ARGS` in its own session (a terminal's Ctrl-C goes to the launcher only).
@@ -97,10 +103,8 @@ def spawn(name: str, args: list[str], log_dir: Path, env: dict | None = None,
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     cmd = [sys.executable, "-m", "duplexkv.cli", *args]
-    full_env = {**WORKER_ENV_DEFAULTS, **os.environ,
-                "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(env or {})}
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env,
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=worker_env(env),
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=_die_with_parent if die_with_parent else None)
     return Proc(name, proc, log)

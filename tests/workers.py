@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from duplexkv.launch import WORKER_ENV_DEFAULTS
+from duplexkv.launch import worker_env
 
 DUPLEXKV = str(Path(sys.executable).parent / "duplexkv")
 MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -68,9 +67,9 @@ def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = Non
            "--dtype", "float32", *args]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
-    env = {**WORKER_ENV_DEFAULTS, **os.environ, "UCX_NET_DEVICES": "lo"}
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                env=worker_env({"UCX_NET_DEVICES": "lo"}))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         m = re.search(r"serving .* on (http://[\d.]+:\d+)", log.read_text(errors="replace"))
