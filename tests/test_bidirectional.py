@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from duplexkv import LLM, SamplingParams
 from workers import MISS, decode_leg, kv_config, prefill_leg, sse_events, start_worker
 
 CONNECTORS = ["TcpConnector", "NixlConnector"]
@@ -19,17 +18,6 @@ SYSTEM = ("You are a careful coding agent. Read the tool output, then answer wit
 
 def bidi(connector, **kw):
     return kv_config(connector, bidirectional_kv_xfer=True, **kw)
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=128,
-              enable_prefix_caching=False)
-
-    def run(prompt, max_tokens):
-        return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                     ignore_eos=True))[0]
-    return run
 
 
 @pytest.fixture(scope="module", params=CONNECTORS)

@@ -17,16 +17,6 @@ PROMPT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibona
           "fibonacci(n - 2)\n\nclass Stack:\n    def __init__(self):\n        self.items = []\n")
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=96)
-
-    def run(prompt, max_tokens=16):
-        return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                     ignore_eos=True))[0]
-    return run
-
-
 @pytest.fixture(scope="module", params=CONNECTORS)
 def cluster(request, tiny_model_dir, tmp_path_factory):
     if request.param == "NixlConnector":
@@ -44,7 +34,7 @@ def body(prompt=PROMPT, **kw):
     return {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, **kw}
 
 
-def test_p_to_d_matches_single_worker(cluster, reference):
+def test_p_to_d_matches_single_worker(cluster, oracle):
     _, p, d, _ = cluster
     pj = prefill_leg(p, "/v1/completions", body())
     params = pj["kv_transfer_params"]
@@ -53,7 +43,7 @@ def test_p_to_d_matches_single_worker(cluster, reference):
     r = decode_leg(d, "/v1/completions", body(), params)
     assert r.status_code == 200, r.text
     dj = r.json()
-    want = reference(PROMPT)
+    want = oracle(PROMPT)
     assert dj["choices"][0]["text"] == want.text
     stats = dj["kv_stats"]
     assert stats["pulled_tokens"] > 0 and stats["pull_outcome"] == "pulled"
@@ -72,7 +62,7 @@ def test_p_to_d_matches_single_worker(cluster, reference):
     d.assert_integrity()
 
 
-def test_p_to_d_streaming_and_chat(cluster, reference):
+def test_p_to_d_streaming_and_chat(cluster, oracle):
     _, p, d, _ = cluster
     chat = {"messages": [{"role": "user", "content": "Write a sorting function."}],
             "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -80,14 +70,14 @@ def test_p_to_d_streaming_and_chat(cluster, reference):
     r = decode_leg(d, "/v1/chat/completions", {**chat, "stream": True}, pj["kv_transfer_params"])
     events = sse_events(r)
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
-    want = reference(chat["messages"], 12)
+    want = oracle(chat["messages"], 12)
     assert text == want.text
     final = [e for e in events if e.get("kv_stats")]
     assert final and final[-1]["kv_stats"]["pulled_tokens"] > 0
     d.assert_integrity()
 
 
-def test_first_token_from_p_only_when_both_legs_are_greedy(cluster, reference, tiny_model_dir):
+def test_first_token_from_p_only_when_both_legs_are_greedy(cluster, oracle, tiny_model_dir):
     _, p, d, _ = cluster
     taken = d.kv()["counters"]["prefill_first_tokens"]
     # a sampling P leg advertises no first token; D computes the last prompt token itself
@@ -95,7 +85,7 @@ def test_first_token_from_p_only_when_both_legs_are_greedy(cluster, reference, t
     assert "first_token_id" not in pj["kv_transfer_params"]
     r = decode_leg(d, "/v1/completions", body(), pj["kv_transfer_params"])
     stats = r.json()["kv_stats"]
-    want = reference(PROMPT)
+    want = oracle(PROMPT)
     assert r.json()["choices"][0]["text"] == want.text
     assert stats["computed_tokens"] == 1
     # a greedy P leg, but D samples: D does not take P's token either (its first draw is its own)
@@ -119,14 +109,14 @@ def test_first_token_from_p_only_when_both_legs_are_greedy(cluster, reference, t
     # max_tokens=1 on D: the answer is P's token, and D computes nothing
     params = prefill_leg(p, "/v1/completions", body())["kv_transfer_params"]
     r = decode_leg(d, "/v1/completions", body(max_tokens=1), params)
-    assert r.json()["choices"][0]["text"] == reference(PROMPT, 1).text
+    assert r.json()["choices"][0]["text"] == oracle(PROMPT, 1).text
     assert r.json()["kv_stats"]["computed_tokens"] == 0
     assert d.kv()["counters"]["prefill_first_tokens"] == taken + 1
     p.assert_integrity()
     d.assert_integrity()
 
 
-def test_d_prefix_hit_shrinks_the_read(cluster, reference):
+def test_d_prefix_hit_shrinks_the_read(cluster, oracle):
     _, p, d, _ = cluster
     prompt = PROMPT * 3 + "# first\n"
     first = decode_leg(d, "/v1/completions", body(prompt),
@@ -137,7 +127,7 @@ def test_d_prefix_hit_shrinks_the_read(cluster, reference):
     s1, s2 = first.json()["kv_stats"], second.json()["kv_stats"]
     assert s2["local_hit_tokens"] >= 64  # D's own cache holds the shared prefix
     assert 0 < s2["pulled_tokens"] < s1["pulled_tokens"] + s1["local_hit_tokens"]
-    assert second.json()["choices"][0]["text"] == reference(longer).text
+    assert second.json()["choices"][0]["text"] == oracle(longer).text
 
 
 def test_lease_expires_when_d_never_comes(cluster, tiny_model_dir):
@@ -157,7 +147,7 @@ def test_lease_expires_when_d_never_comes(cluster, tiny_model_dir):
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_prefill_worker_killed_before_read(cluster, tiny_model_dir, reference, policy):
+def test_prefill_worker_killed_before_read(cluster, tiny_model_dir, oracle, policy):
     name, _, _, tmp = cluster
     p = start_worker(tiny_model_dir, tmp / f"p_kill_{policy}.log", *ARGS, kv=kv_config(name))
     d = start_worker(tiny_model_dir, tmp / f"d_{policy}.log", *ARGS,
@@ -170,7 +160,7 @@ def test_prefill_worker_killed_before_read(cluster, tiny_model_dir, reference, p
         assert time.monotonic() - t0 < 15, "a dead holder must not hang the reader"
         if policy == "recompute":
             assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == reference(PROMPT).text
+            assert r.json()["choices"][0]["text"] == oracle(PROMPT).text
             assert r.json()["kv_stats"]["pull_outcome"] == "failed"
         else:
             assert 400 <= r.status_code < 600 and r.status_code != 200
