@@ -24,17 +24,9 @@ from pathlib import Path
 
 import httpx
 
+from reuse import MISS, p_leg  # benchmarks/reuse.py, beside this script
+
 from duplexkv.launch import bidirectional_kv, spawn, wait_ready, worker_args
-
-MISS = {"do_remote_decode": True, "do_remote_prefill": False}
-
-
-def p_leg(client: httpx.Client, url: str, prompt: list[int]) -> dict:
-    r = client.post(url + "/v1/completions", json={
-        "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
-        "kv_transfer_params": MISS})
-    r.raise_for_status()
-    return r.json()["kv_transfer_params"]
 
 
 def d_leg(client: httpx.Client, url: str, prompt: list[int], params: dict) -> tuple[float, str,
@@ -89,7 +81,8 @@ def main() -> None:
                 order = [("takes", takes), ("computes", computes)]
                 texts = {}
                 for name, url in (order if rep % 2 else order[::-1]):
-                    ttft, texts[name], stats = d_leg(client, url, prompt, p_leg(client, p, prompt))
+                    params = p_leg(client, p, prompt, MISS)[1]["kv_transfer_params"]
+                    ttft, texts[name], stats = d_leg(client, url, prompt, params)
                     computed[name] = stats.get("computed_tokens")
                     if rep:
                         res[name].append(ttft)
