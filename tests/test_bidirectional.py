@@ -218,12 +218,20 @@ def test_d_killed_or_restarted_between_turns(cluster, tiny_model_dir, oracle):
     d.kill()
     nxt = prompt + oracle(prompt, 8).token_ids + [9] * 20
     body2 = {"prompt": nxt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-    # D is gone: P's verify fails and P recomputes; no request fails
+    # D is gone: P's verify fails within the connect timeout and P recomputes
+    t0 = time.monotonic()
     pj = prefill_leg(p, "/v1/completions", body2, to_p(d_params))
-    assert pj["kv_stats"]["pull_outcome"] == "failed" and pj["kv_stats"]["pulled_tokens"] == 0
+    assert time.monotonic() - t0 < 2.5
+    assert pj["kv_stats"]["pull_outcome"] == "unreachable"
+    assert pj["kv_stats"]["pulled_tokens"] == 0
     # D restarted at the same address: other engine id, block ids hold other data -> refused
     d2 = start_worker(tiny_model_dir, tmp / "d_b.log", *ARGS, kv=kv)
     try:
+        addr = f"{d_params['remote_host']}:{d_params['remote_port']}"
+        deadline = time.monotonic() + 30  # P skips the address while its breaker is open
+        while p.kv()["peers"].get(addr, {}).get("open_for_s", 0) > 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         text, stats, _ = turn(p, d2, "/v1/completions", body2, d_params)
         assert text == oracle(nxt, 8).text
         assert stats["pulled_tokens"] == 0 and stats["pull_outcome"] == "failed"

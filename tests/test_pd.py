@@ -157,11 +157,12 @@ def test_prefill_worker_killed_before_read(cluster, tiny_model_dir, oracle, poli
         p.kill()
         t0 = time.monotonic()
         r = decode_leg(d, "/v1/completions", body(), params)
-        assert time.monotonic() - t0 < 15, "a dead holder must not hang the reader"
+        # the side channel's connect timeout (1 s) bounds it, not the 3 s read timeout
+        assert time.monotonic() - t0 < 2.5, "a dead holder must not hold the reader"
         if policy == "recompute":
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == oracle(PROMPT).text
-            assert r.json()["kv_stats"]["pull_outcome"] == "failed"
+            assert r.json()["kv_stats"]["pull_outcome"] == "unreachable"
         else:
             assert 400 <= r.status_code < 600 and r.status_code != 200
             err = r.json()["error"]

@@ -61,6 +61,10 @@ class AsyncEngine:
         self.on_add: Callable[[Sequence, object], None] | None = None
         self.before_step: Callable[[], list[RequestOutput]] | None = None
         self.poll_timeout: Callable[[], float | None] = lambda: None  # None: sleep until a command
+        # called (on the engine thread) once the engine has died and every client was told;
+        # the server uses it to exit non-zero so that a supervisor restarts the worker
+        self.on_dead: Callable[[str], None] | None = None
+        self.num_hook_errors = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -147,6 +151,20 @@ class AsyncEngine:
                 cmd.loop.call_soon_threadsafe(
                     lambda: fut.done() or (fut.set_exception(exc) if exc else fut.set_result(res)))
 
+    def _before_step(self) -> None:
+        """The transfer layer's poll. It isolates its own per-request failures; anything that
+        still escapes is logged and counted, and the engine goes on serving."""
+        if self.before_step is None:
+            return
+        try:
+            outs = self.before_step()
+        except Exception:
+            self.num_hook_errors += 1
+            log.exception("the KV transfer poll failed")
+            return
+        for out in outs:
+            self._deliver(out.request_id, out)
+
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
@@ -164,13 +182,16 @@ class AsyncEngine:
                         cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     pass
-                if self.before_step is not None:
-                    for out in self.before_step():
-                        self._deliver(out.request_id, out)
+                self._before_step()
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
-        except BaseException as e:  # the engine is broken: fail everyone, loudly
+        except BaseException as e:  # unrecoverable (EngineFatal or a bug): fail everyone, loudly
             log.exception("engine thread died")
             self.dead = f"engine failed: {e!r}"
             for rid in list(self._streams):
                 self._deliver(rid, EngineDeadError(self.dead))
+            if self.on_dead is not None:
+                try:
+                    self.on_dead(self.dead)
+                except Exception:
+                    log.exception("on_dead callback failed")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -14,7 +15,7 @@ from duplexkv.config import EngineConfig
 from duplexkv.engine.block_manager import BlockManager
 from duplexkv.engine.kv_pool import DTYPE, block_bytes, num_blocks_for
 from duplexkv.engine.model_runner import ModelRunner
-from duplexkv.engine.sampler import make_generator, sample
+from duplexkv.engine.sampler import make_generator, process_row, sample_row
 from duplexkv.engine.sampling_params import SamplingParams
 from duplexkv.engine.scheduler import Scheduler
 from duplexkv.engine.sequence import KVStats, Sequence
@@ -23,10 +24,21 @@ from duplexkv.model.registry import resolve_model
 from duplexkv.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int] | list[dict]
+log = logging.getLogger(__name__)
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class RequestRejected(ValueError):
     """The request can never be served as asked (too long, bad parameters); say why."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineFatal(RuntimeError):
+    """The engine's own state can no longer be trusted (block integrity broken after a failed
+    step, or steps keep failing): the process must stop so that a supervisor restarts it."""
 
 
 @dataclass(slots=True)
@@ -89,6 +101,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.bm, config.max_num_batched_tokens, config.max_num_seqs)
         self.requests: dict[str, _ReqState] = {}
         self._next_id = 0
+        self.num_failed_requests = 0  # ended by an error of their own (not by the client)
+        self.num_failed_steps = 0
+        self._consecutive_step_failures = 0
         # hooks for the KV-transfer layer (engine thread)
         self.finish_hook: Callable[[Sequence, str], dict | None] | None = None
         self.abort_hook: Callable[[Sequence], None] | None = None
@@ -109,14 +124,18 @@ class LLMEngine:
             bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
             if bad:
                 raise RequestRejected(f"token id {bad[0]} is outside the vocabulary "
-                                      f"[0, {self.model_config.vocab_size})")
+                                      f"[0, {self.model_config.vocab_size})", "prompt")
             return list(prompt)
         raise RequestRejected("prompt must be a string, a list of token ids or chat messages")
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Reject what could never be served, with the reason and the limit."""
         if num_prompt_tokens == 0:
-            raise RequestRejected("the prompt is empty")
+            raise RequestRejected("the prompt is empty", "prompt")
+        outside = params.token_ids_outside(self.model_config.vocab_size)
+        if outside is not None:
+            raise RequestRejected(f"`{outside[0]}` names token id {outside[1]}, outside the "
+                                  f"vocabulary [0, {self.model_config.vocab_size})", outside[0])
         total = num_prompt_tokens + params.max_tokens
         if total > self.max_model_len:
             raise RequestRejected(
@@ -173,11 +192,18 @@ class LLMEngine:
 
     # the step
     def step(self) -> list[RequestOutput]:
+        """Run one batch. A failure confined to one request ends that request with an error;
+        a failure of the whole forward pass ends the batch's requests, then the pool's
+        integrity is checked and the engine goes on (EngineFatal when it cannot)."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
         t0 = time.perf_counter()
-        logits = self.runner.run(batch)
+        try:
+            logits = self.runner.run(batch)
+        except Exception as e:
+            return self._fail_step(batch, e)
+        self._consecutive_step_failures = 0
         dt_ms = (time.perf_counter() - t0) * 1e3
         sampling = [item for item in batch if item.samples]
         for item in batch:
@@ -190,11 +216,50 @@ class LLMEngine:
             self.bm.cache_blocks(seq)
         outputs = []
         if logits is not None:
-            states = [self.requests[item.seq.request_id] for item in sampling]
-            self._mask_logits(logits, states)
-            tokens = sample(logits, [s.seq.params for s in states], [s.generator for s in states])
-            for st, tok in zip(states, tokens):
-                outputs.append(self._append_token(st, tok))
+            for i, item in enumerate(sampling):
+                st = self.requests[item.seq.request_id]
+                try:
+                    p = st.seq.params
+                    row = logits[i]
+                    process_row(row, p, self.banned_tokens(st.seq), st.seq.prompt_token_ids,
+                                st.seq.output_token_ids)
+                    tok = sample_row(row, p, st.generator)
+                except Exception as e:
+                    outputs.append(self._fail(st, f"sampling failed: {e}"))
+                    continue
+                try:
+                    outputs.append(self._append_token(st, tok))
+                except Exception as e:
+                    outputs.append(self._fail(st, f"processing the sampled token failed: {e!r}"))
+        return outputs
+
+    def _fail(self, st: _ReqState, message: str) -> RequestOutput:
+        """End one request with finish_reason "error"; the others are not touched."""
+        log.error("request %s failed: %s", st.seq.request_id, message)
+        self.num_failed_requests += 1
+        if self.abort_hook is not None and not st.seq.is_finished:
+            try:
+                self.abort_hook(st.seq)
+            except Exception:
+                log.exception("abort hook failed for %s", st.seq.request_id)
+        out = self.fail_request(st.seq.request_id, message)
+        assert out is not None
+        return out
+
+    def _fail_step(self, batch: list, exc: Exception) -> list[RequestOutput]:
+        log.exception("step failed for %d requests", len(batch), exc_info=exc)
+        self.num_failed_steps += 1
+        self._consecutive_step_failures += 1
+        outputs = [self._fail(self.requests[item.seq.request_id], f"the forward pass failed: "
+                                                                  f"{exc!r}")
+                   for item in batch if item.seq.request_id in self.requests]
+        try:
+            self.check_integrity()
+        except AssertionError as e:
+            raise EngineFatal(f"KV block integrity broken after a failed step: {e}") from exc
+        if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineFatal(f"{self._consecutive_step_failures} steps in a row failed, last: "
+                              f"{exc!r}") from exc
         return outputs
 
     def accept_token(self, request_id: str, tok: int) -> RequestOutput:
@@ -210,13 +275,6 @@ class LLMEngine:
         if seq.num_output_tokens >= p.min_tokens:
             return []
         return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.tokenizer.eos_token_ids))
-
-    @torch.inference_mode()  # the logits are inference tensors: modify them in that mode
-    def _mask_logits(self, logits: torch.Tensor, states: list[_ReqState]) -> None:
-        for i, st in enumerate(states):
-            banned = self.banned_tokens(st.seq)
-            if banned:
-                logits[i, banned] = float("-inf")
 
     def _append_token(self, st: _ReqState, tok: int) -> RequestOutput:
         seq, p = st.seq, st.seq.params
@@ -240,7 +298,10 @@ class LLMEngine:
         kv_params = None
         if reason is not None:
             if self.finish_hook is not None:
-                kv_params = self.finish_hook(seq, reason)
+                try:
+                    kv_params = self.finish_hook(seq, reason)
+                except Exception:  # the answer is still good; only its KV is not kept
+                    log.exception("finish hook failed for %s", seq.request_id)
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]
             visible = len(st.text)

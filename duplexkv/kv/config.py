@@ -27,7 +27,12 @@ class KVTransferConfig:
     side_channel_port: int = 0  # 0 = any free port
     transfer_host: str = "127.0.0.1"  # TCP transport listener
     enforce_handshake_compat: bool = True
-    read_timeout_s: float = 10.0
+    read_timeout_s: float = 10.0  # a READ that has not landed by then has failed
+    # side-channel round trips (handshake, verify, heartbeat), connecting included: a dead or
+    # partitioned peer costs a request at most this long
+    connect_timeout_s: float = 1.0
+    peer_breaker_s: float = 2.0  # a peer that failed is skipped this long (doubling, to 60 s)
+    peer_max_in_flight: int = 4  # side-channel jobs per peer at once; the rest queue
     expiry_margin_s: float = 5.0  # decline remote blocks that expire sooner than this
     # D leg: emit P's greedy first token instead of recomputing the last prompt token
     use_prefill_first_token: bool = True
@@ -77,6 +82,7 @@ class KVTransferConfig:
             # other vLLM keys (backends, num_threads, engine_ttl, ...) are accepted and ignored
         cfg = cls(**kw)
         if cfg.kv_recompute_threshold < 0 or cfg.decoder_kv_blocks_ttl <= 0 \
-                or cfg.kv_lease_duration <= 0:
+                or cfg.kv_lease_duration <= 0 or cfg.connect_timeout_s <= 0 \
+                or cfg.read_timeout_s <= 0 or cfg.peer_breaker_s < 0 or cfg.peer_max_in_flight < 1:
             raise KVConfigError("thresholds and durations must be positive")
         return cfg

@@ -29,14 +29,19 @@ from duplexkv.engine.async_engine import AsyncEngine
 from duplexkv.engine.block_manager import hash_token_blocks
 from duplexkv.engine.llm_engine import RequestOutput
 from duplexkv.engine.sequence import Sequence
+from duplexkv.kv import messages as m
 from duplexkv.kv import side_channel
 from duplexkv.kv.config import KVTransferConfig
+from duplexkv.kv.peer_gate import PeerGate
 from duplexkv.kv.params import KVTransferParams
 from duplexkv.kv.retention import RetentionTable
 from duplexkv.kv.transport.base import XferState, make_transport
 
 log = logging.getLogger(__name__)
 PROTOCOL_VERSION = "duplexkv-kv-1"
+NET_THREADS = 8
+# declines that mean the KV could not be loaded (kv_load_failure_policy applies to these)
+LOAD_FAILURES = ("failed", "bad_reply", "unreachable", "peer_down")
 
 
 @dataclass(slots=True)
@@ -80,7 +85,8 @@ class KVConnector:
         self.orphans: list[tuple[object, list[int]]] = []  # aborted reads still landing
         self.req_params: dict[str, KVTransferParams] = {}
         self.results: queue.SimpleQueue = queue.SimpleQueue()
-        self.pool = ThreadPoolExecutor(2, thread_name_prefix="kv-net")
+        self.pool = ThreadPoolExecutor(NET_THREADS, thread_name_prefix="kv-net")
+        self.gate = PeerGate(self.pool, cfg.peer_max_in_flight, cfg.peer_breaker_s)
         self.counters = {"pulls": 0, "pulled_tokens": 0, "pulled_bytes": 0, "transfer_ms": 0.0,
                          "declined": {}, "retained": {"lease": 0, "ttl": 0},
                          "prefill_first_tokens": 0}
@@ -138,13 +144,14 @@ class KVConnector:
             released += 1
         return released
 
-    def _serve_verify(self, request_id: str, hashes: list, tokens: list) -> dict:
+    def _serve_verify(self, req: m.Verify) -> m.VerifyReply:
         claim_s = self.cfg.read_timeout_s + self.cfg.expiry_margin_s
-        r = self.retained.verify_and_claim(request_id, hashes, tokens, claim_s)
-        return {"matched": r.matched_tokens, "expiry": r.expiry, "reason": r.reason}
+        r = self.retained.verify_and_claim(req.request_id, req.hashes, req.tokens, claim_s)
+        return m.VerifyReply(r.matched_tokens, r.expiry, r.reason)
 
-    def _serve_heartbeat(self, request_ids: list) -> dict:
-        return {"known": self.retained.heartbeat(request_ids, self.cfg.kv_lease_duration * 2 / 3)}
+    def _serve_heartbeat(self, req: m.Heartbeat) -> m.HeartbeatReply:
+        return m.HeartbeatReply(self.retained.heartbeat(req.request_ids,
+                                                        self.cfg.kv_lease_duration * 2 / 3))
 
     # ----- reader side -----------------------------------------------------------------
     def on_add(self, seq: Sequence, raw: object) -> None:
@@ -166,12 +173,16 @@ class KVConnector:
         self.pulls[seq.request_id] = pull
         tokens = seq.prompt_token_ids[: p.remote_num_tokens]
         hashes = hash_token_blocks(self.bm.seed, tokens, self.bs)
-        self.pool.submit(self._verify_job, seq.request_id, p, hashes, tokens)
+        rid = seq.request_id
+        self.gate.submit(_addr(p), lambda: self._verify_job(rid, p, hashes, tokens),
+                         lambda why: self.results.put((rid, None, None, why, "peer is down "
+                                                       "(skipped while its breaker is open)")))
 
     def _peer(self, p: KVTransferParams) -> side_channel.PeerInfo:
         info = self.peers.get(p.remote_engine_id)
         if info is None:
-            info = side_channel.handshake(p.remote_host, p.remote_port, self.cfg.read_timeout_s)
+            info = side_channel.handshake(p.remote_host, p.remote_port,
+                                          self.cfg.connect_timeout_s)
             hs = info.handshake
             if hs.engine_id != p.remote_engine_id:
                 raise side_channel.SideChannelError(
@@ -192,38 +203,52 @@ class KVConnector:
             self.transport.connect(p.remote_engine_id, info.handshake.transport_metadata)
             self.connected.add(p.remote_engine_id)
 
-    def _verify_job(self, rid: str, p: KVTransferParams, hashes: list, tokens: list) -> None:
+    def _verify_job(self, rid: str, p: KVTransferParams, hashes: list, tokens: list) -> bool:
+        """On a kv-net thread: handshake (first time) and verify. Returns whether the peer
+        behaved (for its breaker); the result goes to the engine thread's queue."""
         try:
             info = self._peer(p)
             reply = side_channel.request(p.remote_host, p.remote_port,
-                                         ["verify", p.remote_request_id, hashes, tokens],
-                                         self.cfg.read_timeout_s)
-            self.results.put((rid, info, reply, None))
+                                         m.Verify(p.remote_request_id, hashes, tokens),
+                                         m.VerifyReply, self.cfg.connect_timeout_s)
+            self.results.put((rid, info, reply, None, None))
+            return True
+        except side_channel.BadReply as e:
+            self.results.put((rid, None, None, "bad_reply", str(e)))
+        except side_channel.PeerUnreachable as e:
+            self.results.put((rid, None, None, "unreachable", str(e)))
         except Exception as e:
-            self.results.put((rid, None, None, str(e)))
+            self.results.put((rid, None, None, "failed", str(e)))
+            return True  # it answered (refused, or is another engine): not a dead peer
+        return False
 
-    def _heartbeat_job(self, p: KVTransferParams) -> None:
+    def _heartbeat_job(self, p: KVTransferParams) -> bool:
         try:
-            side_channel.request(p.remote_host, p.remote_port, ["hb", [p.remote_request_id]],
-                                 self.cfg.read_timeout_s)
+            side_channel.request(p.remote_host, p.remote_port, m.Heartbeat([p.remote_request_id]),
+                                 m.HeartbeatReply, self.cfg.connect_timeout_s)
+            return True
         except Exception as e:
             log.warning("heartbeat to %s failed: %s", p.remote_engine_id, e)
+            return not isinstance(e, (side_channel.BadReply, side_channel.PeerUnreachable))
 
-    def _on_verified(self, rid: str, info, reply, error) -> RequestOutput | None:
+    def _on_verified(self, rid: str, info, reply: m.VerifyReply | None, why: str | None,
+                     error: str | None) -> RequestOutput | None:
         pull = self.pulls.get(rid)
         if pull is None or pull.seq.is_finished:
             return None
         seq, p = pull.seq, pull.params
-        if error is not None:
-            return self._decline(pull, "failed", error)
-        matched = int(reply["matched"])
+        if why is not None:
+            return self._decline(pull, why, error)
+        assert reply is not None
+        matched = reply.matched
         last_computed = 0 if self._takes_first_token(seq, p) else 1
         usable = min(matched, p.remote_num_tokens, seq.num_prompt_tokens - last_computed)
         local = seq.num_computed_tokens
         gain = usable - local
         if matched == 0:
-            return self._decline(pull, reply.get("reason") or "mismatch", notify=info)
-        expiry_local = float(reply["expiry"]) - info.clock_offset
+            return self._decline(pull, reply.reason if reply.reason in ("unknown", "expired")
+                                 else "mismatch", notify=info)
+        expiry_local = reply.expiry - info.clock_offset
         if expiry_local - time.perf_counter() < self.cfg.expiry_margin_s:
             return self._decline(pull, "expired", notify=info)
         if gain <= 0 or gain < pull.threshold:
@@ -273,8 +298,8 @@ class KVConnector:
                                           f"skip:{p.remote_request_id}".encode())
             except Exception as e:
                 log.warning("notify-only to %s failed: %s", p.remote_engine_id, e)
-        if reason == "failed":
-            log.warning("KV pull for %s failed: %s", seq.request_id, error)
+        if reason in LOAD_FAILURES:
+            log.warning("KV pull for %s declined (%s): %s", seq.request_id, reason, error)
             if self.cfg.kv_load_failure_policy == "fail":
                 return self.engine.fail_request(seq.request_id, f"KV transfer failed: {error}")
         # recompute: keep the local prefix hit, drop anything beyond it
@@ -322,39 +347,27 @@ class KVConnector:
         return 0.05 if len(self.retained) else None
 
     def poll(self) -> list[RequestOutput]:
+        """Advance every pull (verify results, READs), orphans, notifications and expiries.
+        A failure while handling one pull ends that pull as a declined load, never the poll."""
         outs: list[RequestOutput] = []
         while True:
             try:
                 res = self.results.get_nowait()
             except queue.Empty:
                 break
-            out = self._on_verified(*res)
-            if out is not None:
-                outs.append(out)
+            outs.extend(self._isolated(res[0], self._on_verified, *res))
         now = time.perf_counter()
         for pull in list(self.pulls.values()):
-            if pull.state != "reading":
-                continue
-            state = self.transport.poll(pull.handle)
-            if state is XferState.DONE:
-                self.transport.release(pull.handle)
-                out = self._on_read_done(pull)
-                if out is not None:
-                    outs.append(out)
-            elif state is XferState.FAILED:
-                err = getattr(pull.handle, "error", "transfer failed")
-                self.transport.release(pull.handle)
-                out = self._decline(pull, "failed", err)
-                if out is not None:
-                    outs.append(out)
-            elif now - pull.last_heartbeat > self.cfg.heartbeat_interval_s:
-                pull.last_heartbeat = now
-                self.pool.submit(self._heartbeat_job, pull.params)
+            if pull.state == "reading":
+                outs.extend(self._isolated(pull.seq.request_id, self._poll_read, pull, now))
         for item in list(self.orphans):
-            if self.transport.poll(item[0]) is not XferState.PENDING:
-                self.transport.release(item[0])
-                self.bm.unpin(item[1])
-                self.orphans.remove(item)
+            try:
+                if self.transport.poll(item[0]) is not XferState.PENDING:
+                    self.transport.release(item[0])
+                    self.bm.unpin(item[1])
+                    self.orphans.remove(item)
+            except Exception:
+                log.exception("polling an aborted READ failed")
         for peer, msg in self.transport.get_notifs():
             kind, _, rid = msg.decode(errors="replace").partition(":")
             self._release(self.retained.pop(rid, "read" if kind == "done" else "notified"))
@@ -362,6 +375,42 @@ class KVConnector:
             log.info("retained blocks of %s expired (%s)", entry.request_id, entry.kind)
             self._release(entry)
         return outs
+
+    def _isolated(self, rid: str, fn, *args) -> list[RequestOutput]:
+        try:
+            out = fn(*args)
+            return [] if out is None else [out]
+        except Exception as e:
+            log.exception("KV pull for %s failed while handling it", rid)
+            pull = self.pulls.get(rid)
+            if pull is None or pull.seq.is_finished:
+                return []
+            if pull.state == "reading" and pull.handle.state is XferState.PENDING:
+                # the READ may still land: hold its blocks until it ends
+                self.bm.pin(pull.local_block_ids)
+                self.orphans.append((pull.handle, list(pull.local_block_ids)))
+                pull.state = "failed"
+            try:
+                out = self._decline(pull, "failed", repr(e))
+            except Exception:
+                log.exception("declining %s failed; ending the request", rid)
+                out = self.engine.fail_request(rid, f"KV transfer failed: {e!r}")
+            return [] if out is None else [out]
+
+    def _poll_read(self, pull: Pull, now: float) -> RequestOutput | None:
+        state = self.transport.poll(pull.handle)
+        if state is XferState.DONE:
+            self.transport.release(pull.handle)
+            return self._on_read_done(pull)
+        if state is XferState.FAILED:
+            err = getattr(pull.handle, "error", "transfer failed")
+            self.transport.release(pull.handle)
+            return self._decline(pull, "failed", err)
+        if now - pull.last_heartbeat > self.cfg.heartbeat_interval_s:
+            pull.last_heartbeat = now
+            p = pull.params
+            self.gate.submit(_addr(p), lambda: self._heartbeat_job(p), lambda why: None)
+        return None
 
     # ----- reporting / lifecycle -------------------------------------------------------
     def refs(self) -> dict[int, int]:
@@ -375,9 +424,14 @@ class KVConnector:
         return {"engine_id": self.engine_id, "kv_connector": self.cfg.kv_connector,
                 "side_channel": f"{self.server.host}:{self.server.port}",
                 "transport": self.transport.health(), "retained": self.retained.stats(),
-                "pulls_in_flight": len(self.pulls), "counters": self.counters}
+                "pulls_in_flight": len(self.pulls), "counters": self.counters,
+                "peers": self.gate.state()}
 
     def close(self) -> None:
         self.server.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
+
+
+def _addr(p: KVTransferParams) -> str:
+    return f"{p.remote_host}:{p.remote_port}"

@@ -1,10 +1,8 @@
 """Per-worker side channel (ZMQ + msgpack): handshake, block verification, heartbeats.
 
-    reader (REQ)                                    holder (ROUTER, own thread)
-    ["meta"]                                   ->   Handshake fields + holder perf_counter
-    ["verify", req_id, [hash...], [token...]]  ->   {"matched": n, "expiry": t, "reason": r}
-    ["hb", [req_id...]]                        ->   {"known": n}
-Data moves over the transport; the completion notification travels with the READ.
+The messages and their bounds are in `messages.py`; nothing a peer sends is used before it has
+been decoded into those types. Data moves over the transport; the completion notification
+travels with the READ.
 """
 
 from __future__ import annotations
@@ -15,8 +13,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-import msgpack
+import msgspec
 import zmq
+
+from duplexkv.kv import messages as m
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,12 @@ class SideChannelError(RuntimeError):
     pass
 
 
+class BadReply(SideChannelError):
+    """The peer answered, but with something that is not a valid reply."""
+
+
+class PeerUnreachable(SideChannelError):
+    """The peer did not answer in time (dead, partitioned or stuck)."""
 @dataclass(frozen=True, slots=True)
 class Handshake:
     engine_id: str
@@ -44,10 +50,12 @@ class PeerInfo:
 
 class SideChannelServer:
     def __init__(self, host: str, port: int, handshake: Handshake,
-                 handlers: dict[str, Callable[..., dict]]) -> None:
+                 handlers: dict[str, Callable[..., object]]) -> None:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.SNDHWM, 1000)
         if port:
             self.sock.bind(f"tcp://{host}:{port}")
         else:
@@ -72,52 +80,74 @@ class SideChannelServer:
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
-            frames = self.sock.recv_multipart()
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            if len(frames) < 2:
+                continue  # not a REQ envelope: nothing to answer
             ident, body = frames[0], frames[-1]
             try:
-                msg = msgpack.unpackb(body)
-                kind, args = msg[0], msg[1:]
-                if kind == "meta":
-                    reply = {**asdict(self.handshake), "clock": time.perf_counter()}
-                else:
-                    reply = self.handlers[kind](*args)
-            except Exception as e:  # a bad message gets an error reply, never kills the thread
-                log.warning("side channel: bad request: %r", e)
-                reply = {"error": repr(e)}
-            self.sock.send_multipart([ident, b"", msgpack.packb(reply)])
+                reply = self._answer(m.decode_request(body))
+            except (msgspec.ValidationError, msgspec.DecodeError) as e:
+                log.warning("side channel: malformed request: %s", e)
+                reply = m.ErrorReply(f"malformed request: {e}"[:4096])
+            except Exception as e:  # a handler's error is the caller's answer, never fatal
+                log.warning("side channel: request failed: %r", e)
+                reply = m.ErrorReply(f"request failed: {e!r}"[:4096])
+            try:
+                self.sock.send_multipart([ident, b"", m.encode(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                log.warning("side channel: reply not sent: %s", e)
+
+    def _answer(self, req: m.Request) -> object:
+        if isinstance(req, m.Meta_):
+            return m.MetaReply(**asdict(self.handshake), clock=time.perf_counter())
+        if isinstance(req, m.Verify):
+            return self.handlers["verify"](req)
+        return self.handlers["hb"](req)
 
 
-def request(host: str, port: int, msg: list, timeout_s: float = 5.0) -> dict:
-    """One request/reply to a holder's side channel; SideChannelError on timeout or error."""
+def request(host: str, port: int, msg: object, reply_type: type, timeout_s: float) -> object:
+    """One request/reply to a holder's side channel, decoded into `reply_type`.
+    PeerUnreachable when nothing comes back within `timeout_s` (connecting included), BadReply
+    for a malformed answer, SideChannelError when the holder refused."""
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
+    sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, max(1, int(timeout_s * 1000)))
+    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 22)
     try:
         sock.connect(f"tcp://{host}:{port}")
-        sock.send(msgpack.packb(msg))
-        reply = msgpack.unpackb(sock.recv())
+        sock.send(m.encode(msg))
+        raw = sock.recv()
     except zmq.Again:
-        raise SideChannelError(f"side channel {host}:{port} did not answer in {timeout_s}s") \
+        raise PeerUnreachable(f"side channel {host}:{port} did not answer in {timeout_s}s") \
             from None
     finally:
         sock.close(0)
-    if not isinstance(reply, dict) or "error" in reply:
-        raise SideChannelError(f"side channel {host}:{port} refused: {reply!r}")
+    try:
+        reply = m.decode_reply(raw, reply_type)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise BadReply(f"side channel {host}:{port} sent a malformed reply: {e}") from None
+    if isinstance(reply, m.ErrorReply):
+        raise SideChannelError(f"side channel {host}:{port} refused: {reply.error}")
     return reply
 
 
-def handshake(host: str, port: int, timeout_s: float = 5.0, rounds: int = 3) -> PeerInfo:
+def handshake(host: str, port: int, timeout_s: float, rounds: int = 3) -> PeerInfo:
     """Fetch the holder's metadata; the clock offset comes from the lowest-RTT round."""
     best = None
     for _ in range(rounds):
         t0 = time.perf_counter()
-        reply = request(host, port, ["meta"], timeout_s)
+        reply = request(host, port, m.Meta_(), m.MetaReply, timeout_s)
         t1 = time.perf_counter()
+        assert isinstance(reply, m.MetaReply)
         if best is None or t1 - t0 < best[0]:
-            best = (t1 - t0, reply["clock"] - (t0 + t1) / 2, reply)
+            best = (t1 - t0, reply.clock - (t0 + t1) / 2, reply)
     assert best is not None
     r = best[2]
-    hs = Handshake(r["engine_id"], r["compat_hash"], r["transport"], r["transport_metadata"],
-                   r["block_size"], r["num_blocks"], r["block_bytes"])
+    hs = Handshake(r.engine_id, r.compat_hash, r.transport, r.transport_metadata,
+                   r.block_size, r.num_blocks, r.block_bytes)
     return PeerInfo(hs, best[1])

@@ -39,15 +39,22 @@ async def _snapshot(aeng: AsyncEngine) -> EngineSnapshot | None:
         return None
 
 
+def default_max_request_bytes(max_model_len: int) -> int:
+    """A few MiB more than the longest prompt the model accepts could take as JSON text
+    (generously 32 bytes a token: escaped text or token ids with separators)."""
+    return 32 * max_model_len + (4 << 20)
+
+
 def build_app(aeng: AsyncEngine, served_model_name: str,
               health_extra: Callable[[], dict] | None = None,
-              collectors: tuple = ()) -> FastAPI:
+              collectors: tuple = (), max_request_bytes: int | None = None) -> FastAPI:
     """The app for one engine; `health_extra()` adds fields to /health (e.g. the KV layer's)."""
     app = FastAPI(title="duplexkv worker", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(served_model_name)
     for collector in collectors:  # e.g. the KV connector's
         metrics.registry.register(collector)
-    serving = OpenAIServing(aeng, served_model_name, metrics)
+    serving = OpenAIServing(aeng, served_model_name, metrics, max_request_bytes
+                            or default_max_request_bytes(aeng.engine.max_model_len))
     created = int(time.time())
     app.state.aeng, app.state.metrics, app.state.serving = aeng, metrics, serving
 

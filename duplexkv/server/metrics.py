@@ -30,18 +30,23 @@ class EngineSnapshot:
     blocks: BlockCounts
     block_size: int
     num_preemptions: int
+    num_failed_requests: int = 0  # ended by an error of their own (sampling, a hook, a step)
+    num_failed_steps: int = 0  # forward passes that raised (their requests failed)
 
     @classmethod
     def read(cls, engine: LLMEngine) -> EngineSnapshot:
         s = engine.scheduler
         return cls(len(s.running), len(s.waiting), len(s.parked), engine.bm.counts(),
-                   engine.config.block_size, s.num_preemptions)
+                   engine.config.block_size, s.num_preemptions, engine.num_failed_requests,
+                   engine.num_failed_steps)
 
     def as_dict(self) -> dict:
         return {"running": self.running, "waiting": self.waiting,
                 "waiting_for_remote_kv": self.waiting_for_remote_kv,
                 "kv_blocks": self.blocks._asdict(), "block_size": self.block_size,
-                "num_preemptions": self.num_preemptions}
+                "num_preemptions": self.num_preemptions,
+                "num_failed_requests": self.num_failed_requests,
+                "num_failed_steps": self.num_failed_steps}
 
 
 class ServerMetrics:
@@ -70,6 +75,10 @@ class ServerMetrics:
                              "Requests waiting (queued or for remote KV)", **m)
         self.kv_blocks = Gauge("duplexkv_kv_blocks", "KV blocks by state", ["state"], **m)
         self.preemptions = Gauge("duplexkv_num_preemptions", "Preemptions since start", **m)
+        self.failed_requests = Gauge("duplexkv_engine_failed_requests", "Requests the engine "
+                                     "ended with an error of their own, since start", **m)
+        self.failed_steps = Gauge("duplexkv_engine_failed_steps", "Forward passes that failed "
+                                  "(their requests ended with an error), since start", **m)
         self.engine_alive = Gauge("duplexkv_engine_alive", "1 while the engine thread runs", **m)
         self.info = Gauge("duplexkv_model_info", "Served model", ["model"], **m)
         self.info.labels(model_name).set(1)
@@ -99,6 +108,8 @@ class ServerMetrics:
         for state, n in (("used", b.in_use), ("free", b.free), ("cached", b.cached_free)):
             self.kv_blocks.labels(state).set(n)
         self.preemptions.set(snap.num_preemptions)
+        self.failed_requests.set(snap.num_failed_requests)
+        self.failed_steps.set(snap.num_failed_steps)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.server.body import MAX_DEPTH, check_json_value
 from duplexkv.server.errors import bad_request
 
 Kind = Literal["completion", "chat"]
@@ -30,6 +31,11 @@ class GenerateRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -45,7 +51,10 @@ class GenerateRequest:
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                top_k=self.top_k, seed=self.seed, stop=list(self.stop),
+                top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
+                seed=self.seed, stop=list(self.stop),
                 stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens)
         except ValueError as e:
@@ -54,12 +63,16 @@ class GenerateRequest:
 
 
 def parse_json(raw: bytes) -> dict:
+    """A JSON object, checked for depth and valid Unicode (`body.check_json_value`)."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(f"The request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request(f"The request body is nested deeper than {MAX_DEPTH} levels.") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
+    check_json_value(body)
     return body
 
 
@@ -84,7 +97,10 @@ class _Fields:
 
     def number(self, name: str, default: float | None = None) -> float | None:
         v = self.get(name, (int, float), "a number", default)
-        return None if v is None else float(v)
+        try:
+            return None if v is None else float(v)
+        except OverflowError:
+            raise bad_request(f"`{name}` is out of range", name) from None
 
     def boolean(self, name: str, default: bool = False) -> bool:
         return self.get(name, (bool,), "a boolean", default)
@@ -105,9 +121,6 @@ def parse_request(body: dict, kind: Kind) -> GenerateRequest:
     f.reject("best_of", (1,), "only 1")
     f.reject("echo", (False,), "only false")
     f.reject("suffix", ("",), "no suffix")
-    f.reject("presence_penalty", (0, 0.0), "only 0")
-    f.reject("frequency_penalty", (0, 0.0), "only 0")
-    f.reject("repetition_penalty", (1, 1.0), "only 1")
     if kind == "completion":
         f.reject("logprobs", (), "logprobs are not returned")
     else:
@@ -123,7 +136,12 @@ def parse_request(body: dict, kind: Kind) -> GenerateRequest:
     common: dict[str, Any] = {
         "kind": kind, "model": model, "max_tokens": max_tokens,
         "temperature": f.number("temperature", 1.0), "top_p": f.number("top_p", 1.0),
-        "top_k": f.integer("top_k", 0), "seed": f.integer("seed"), "stop": _stop(body.get("stop")),
+        "top_k": f.integer("top_k", 0), "min_p": f.number("min_p", 0.0),
+        "presence_penalty": f.number("presence_penalty", 0.0),
+        "frequency_penalty": f.number("frequency_penalty", 0.0),
+        "repetition_penalty": f.number("repetition_penalty", 1.0),
+        "logit_bias": _logit_bias(body.get("logit_bias")),
+        "seed": f.integer("seed"), "stop": _stop(body.get("stop")),
         "stop_token_ids": _int_list(body.get("stop_token_ids"), "stop_token_ids"),
         "ignore_eos": f.boolean("ignore_eos"), "min_tokens": f.integer("min_tokens", 0),
         "stream": stream, "include_usage": bool(stream and include_usage),
@@ -136,6 +154,24 @@ def parse_request(body: dict, kind: Kind) -> GenerateRequest:
         raise bad_request("`messages` is required", "messages")
     return GenerateRequest(messages=_messages(body["messages"]),
                            add_generation_prompt=f.boolean("add_generation_prompt", True), **common)
+
+
+def _logit_bias(v: Any) -> dict[int, float]:
+    """OpenAI's `{"token id as a string": bias}`; ids and values are range-checked later."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad_request("`logit_bias` must be an object mapping token ids to numbers",
+                          "logit_bias")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        tok = k.strip() if isinstance(k, str) else ""
+        if not (tok.isascii() and tok.isdigit() and len(tok) <= 10):
+            raise bad_request(f"`logit_bias` key {k[:20]!r} is not a token id", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise bad_request(f"`logit_bias[{tok}]` must be a number", "logit_bias")
+        out[int(tok)] = float(b)
+    return out
 
 
 def _stop(v: Any) -> list[str]:

@@ -49,6 +49,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=_DEFAULTS["seed"])
     p.add_argument("--kv-transfer-config", type=_json_object, default=None, metavar="JSON",
                    help='e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'')
+    p.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                   help="largest request body accepted (413 above it; default: 32 bytes per "
+                        "token of max-model-len + 4 MiB)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run_serve)
     return p
@@ -72,6 +75,8 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config(args)
+    if args.max_request_bytes is not None and args.max_request_bytes < 1024:
+        raise ValueError("--max-request-bytes must be at least 1024")
     # heavy imports only once the arguments are known to be good
     import uvicorn
 
@@ -87,18 +92,29 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         health_extra, collectors = attach_kv_transfer(aeng, args.kv_transfer_config, args)
         name = args.served_model_name or served_name(args.model)
-        app = build_app(aeng, name, health_extra, collectors)
+        app = build_app(aeng, name, health_extra, collectors, args.max_request_bytes)
         server = Server(uvicorn.Config(app, host=args.host,
                                        port=args.port, lifespan="off", log_level="warning",
                                        access_log=False, timeout_graceful_shutdown=5))
-        asyncio.run(_serve(server, f"{name} ({engine.model_dir})"))
+        asyncio.run(_serve(server, f"{name} ({engine.model_dir})", aeng))
+        if aeng.dead:
+            log.error("exiting because the engine died: %s", aeng.dead)
+            return 1
         return 0 if server.started else 1
     finally:
         aeng.shutdown()
         log.info("engine stopped")
 
 
-async def _serve(server, what: str) -> None:
+async def _serve(server, what: str, aeng) -> None:
+    loop = asyncio.get_running_loop()
+
+    def stop(reason: str) -> None:  # the engine died: answer in-flight clients, then exit 1
+        loop.call_soon_threadsafe(setattr, server, "should_exit", True)
+
+    aeng.on_dead = stop
+    if aeng.dead:
+        server.should_exit = True
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.02)

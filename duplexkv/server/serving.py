@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TypeVar
@@ -30,6 +32,7 @@ from duplexkv.server.errors import (
     internal_error,
     model_not_found,
 )
+from duplexkv.server.body import DEFAULT_MAX_REQUEST_BYTES, read_body
 from duplexkv.server.metrics import ServerMetrics
 from duplexkv.server.protocol import GenerateRequest, Kind, parse_json, parse_request
 from duplexkv.server.responses import DONE, Formatter, cached_tokens, sse
@@ -39,6 +42,7 @@ log = logging.getLogger("duplexkv.server")
 T = TypeVar("T")
 PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
 ENDPOINT = {"completion": "completions", "chat": "chat_completions"}
+PREP_THREADS = 2
 
 
 class ClientDisconnected(Exception):
@@ -74,7 +78,7 @@ def prepare(engine: LLMEngine, served_model_name: str, body: dict, kind: Kind) -
     try:
         engine.check_request(len(ids), params)
     except RequestRejected as e:
-        raise bad_request(str(e)) from None
+        raise bad_request(str(e), e.param) from None
     return Prepared(req, ids, params)
 
 
@@ -90,7 +94,18 @@ def _tokenize(engine: LLMEngine, req: GenerateRequest) -> list[int]:
     except RequestRejected as e:
         raise bad_request(str(e), field) from None
     except Exception as e:  # a chat template that cannot render these messages
-        raise bad_request(f"could not apply the chat template: {e}", field) from None
+        what = "apply the chat template" if req.kind == "chat" else "tokenize the prompt"
+        raise bad_request(f"could not {what}: {e}", field) from None
+
+
+_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._:@/+=-]+")
+MAX_REQUEST_ID_CHARS = 128
+
+
+def sanitize_request_id(header: str | None) -> str:
+    """A client's X-Request-Id reduced to a safe charset and length ("" if nothing is left);
+    it is echoed in a response header and written to logs."""
+    return _UNSAFE_ID_CHARS.sub("-", header or "")[:MAX_REQUEST_ID_CHARS].strip("-")
 
 
 class RequestIds:
@@ -101,7 +116,7 @@ class RequestIds:
 
     def claim(self, header: str | None, kind: Kind) -> tuple[str, str]:
         """-> (engine request id, response id)."""
-        base = (header or "").strip()[:200]
+        base = sanitize_request_id(header)
         rid = base or f"{PREFIX[kind]}-{uuid.uuid4().hex}"
         while rid in self.in_flight:
             rid = f"{base}-{uuid.uuid4().hex[:8]}"
@@ -138,22 +153,30 @@ async def unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
 
 
 class OpenAIServing:
-    def __init__(self, aeng: AsyncEngine, served_model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, aeng: AsyncEngine, served_model_name: str, metrics: ServerMetrics,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.aeng = aeng
         self.model = served_model_name
         self.metrics = metrics
         self.ids = RequestIds()
+        self.max_request_bytes = max_request_bytes
+        # parsing, templating and tokenizing run here, never on the event loop
+        self.prep_pool = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="prepare")
+
+    def _prepare(self, raw: bytes, kind: Kind) -> Prepared:
+        return prepare(self.aeng.engine, self.model, parse_json(raw), kind)
 
     async def handle(self, request: Request, kind: Kind) -> Response:
         endpoint, arrival = ENDPOINT[kind], time.perf_counter()
         try:
-            raw = await request.body()
-        except ClientDisconnect:
-            return Response(status_code=499)
-        try:
+            try:
+                raw = await read_body(request, self.max_request_bytes)
+            except ClientDisconnect:
+                return Response(status_code=499)
             if self.aeng.dead:
                 raise engine_unavailable(self.aeng.dead)
-            prep = prepare(self.aeng.engine, self.model, parse_json(raw), kind)
+            loop = asyncio.get_running_loop()
+            prep = await loop.run_in_executor(self.prep_pool, self._prepare, raw, kind)
         except APIError as e:
             self.metrics.record_rejected(endpoint, e.outcome)
             return e.response()
