@@ -21,6 +21,7 @@ from duplexkv.engine.scheduler import Scheduler
 from duplexkv.engine.sequence import KVStats, Sequence
 from duplexkv.model.loader import load_config, load_weights
 from duplexkv.model.registry import resolve_model
+from duplexkv.model.segment_cache import TooManyTokens
 from duplexkv.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int] | list[dict]
@@ -114,11 +115,20 @@ class LLMEngine:
         return self.config.max_model_len  # type: ignore[return-value]
 
     # requests
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
+        """Prompt -> ids. A text far beyond the context is refused as soon as that is certain,
+        without materialising its ids."""
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt))
+            prompt = self.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=add_generation_prompt)
+        if isinstance(prompt, str):
+            try:
+                return self.tokenizer.encode(prompt, limit=self.max_model_len)
+            except TooManyTokens as e:
+                raise RequestRejected(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, your prompt has at least {e.at_least} tokens. Please reduce "
+                    f"the length of the prompt.", "prompt") from None
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                             for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]

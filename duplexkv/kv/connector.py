@@ -20,6 +20,7 @@ import logging
 import os
 import queue
 import socket
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -79,7 +80,10 @@ class KVConnector:
         self.server = side_channel.SideChannelServer(
             cfg.side_channel_host, cfg.side_channel_port, hs,
             {"verify": self._serve_verify, "hb": self._serve_heartbeat})
-        self.peers: dict[str, side_channel.PeerInfo] = {}
+        # handshakes by (engine id, side-channel address): the same id at another address is
+        # asked again
+        self.peers: dict[tuple[str, str], side_channel.PeerInfo] = {}
+        self._peers_lock = threading.Lock()
         self.connected: set[str] = set()
         self.pulls: dict[str, Pull] = {}
         self.orphans: list[tuple[object, list[int]]] = []  # aborted reads still landing
@@ -179,7 +183,8 @@ class KVConnector:
                                                        "(skipped while its breaker is open)")))
 
     def _peer(self, p: KVTransferParams) -> side_channel.PeerInfo:
-        info = self.peers.get(p.remote_engine_id)
+        key = (p.remote_engine_id, _addr(p))
+        info = self.peers.get(key)
         if info is None:
             info = side_channel.handshake(p.remote_host, p.remote_port,
                                           self.cfg.connect_timeout_s)
@@ -195,7 +200,10 @@ class KVConnector:
             if hs.transport != self.cfg.transport:
                 raise side_channel.SideChannelError(
                     f"peer uses transport {hs.transport}, we use {self.cfg.transport}")
-            self.peers[p.remote_engine_id] = info
+            with self._peers_lock:  # kv-net threads handshake concurrently
+                if len(self.peers) >= 1024:
+                    self.peers.pop(next(iter(self.peers)))
+                self.peers[key] = info
         return info
 
     def _connect(self, p: KVTransferParams, info: side_channel.PeerInfo) -> None:

@@ -21,6 +21,15 @@ from tokenizers import Tokenizer as HFTokenizer
 
 MIN_CHARS = 4096  # shorter texts are encoded whole: the split is not worth it
 MIN_PIECE_CHARS = 256  # shorter pieces are encoded each time, not cached
+LONG_TEXT = 1 << 15  # longer texts are encoded with the GIL released (encode_batch of one)
+
+
+class TooManyTokens(ValueError):
+    """The text has more tokens than the caller's limit (counted without building the list)."""
+
+    def __init__(self, at_least: int) -> None:
+        super().__init__(f"at least {at_least} tokens")
+        self.at_least = at_least
 _PROBE = ("Grüße, naïve café\u0301 — 12345 tokens;\n\n  indented\tline {0}\r\n"
           "it's  done 's {0}{0}\n😀 x")
 
@@ -50,19 +59,32 @@ class SegmentCache:
                        for i, s in enumerate(specials * 2))
         return self._pieces(text, cache=False) == self._tok.encode(text).ids
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text` (no special tokens added), equal to encoding it whole."""
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """Ids of `text` (no special tokens added), equal to encoding it whole. TooManyTokens as
+        soon as more than `limit` tokens are certain."""
         if not self.splittable or len(text) < MIN_CHARS:
-            return self._tok.encode(text).ids
-        return self._pieces(text, cache=True)
+            return self._encode(text, limit)
+        return self._pieces(text, cache=True, limit=limit)
 
-    def _pieces(self, text: str, cache: bool) -> list[int]:
+    def _encode(self, text: str, limit: int | None = None) -> list[int]:
+        if len(text) < LONG_TEXT:
+            return self._tok.encode(text).ids
+        # a long text: let other threads (the server's event loop) run while it is encoded,
+        # and do not build a huge id list only to refuse it
+        enc = self._tok.encode_batch([text])[0]
+        if limit is not None and len(enc) > limit:
+            raise TooManyTokens(len(enc))
+        return enc.ids
+
+    def _pieces(self, text: str, cache: bool, limit: int | None = None) -> list[int]:
         ids: list[int] = []
         for i, piece in enumerate(self._split.split(text)):
             if i % 2:  # an added token (odd positions of a split with one group)
                 ids.append(self._ids[piece])
             elif piece:
-                ids.extend(self._piece(piece) if cache else self._tok.encode(piece).ids)
+                ids.extend(self._piece(piece) if cache else self._encode(piece))
+            if limit is not None and len(ids) > limit:
+                raise TooManyTokens(len(ids))
         return ids
 
     def _piece(self, piece: str) -> list[int]:
@@ -75,7 +97,7 @@ class SegmentCache:
                 self.hits += 1
                 return got
             self.misses += 1
-        got = self._tok.encode(piece).ids
+        got = self._encode(piece)
         with self._lock:
             if piece not in self._cache and len(piece) <= self.max_chars:
                 self._cache[piece] = got

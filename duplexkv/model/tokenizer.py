@@ -118,10 +118,12 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False,
+               limit: int | None = None) -> list[int]:
+        """Token ids; `segment_cache.TooManyTokens` as soon as more than `limit` are certain."""
         if add_special_tokens:
             return self._tok.encode(text, add_special_tokens=True).ids
-        return self.segments.encode(text)
+        return self.segments.encode(text, limit)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

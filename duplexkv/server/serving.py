@@ -87,10 +87,7 @@ def _tokenize(engine: LLMEngine, req: GenerateRequest) -> list[int]:
     try:
         if req.kind == "completion":
             return engine.tokenize(req.prompt)  # type: ignore[arg-type]
-        if req.add_generation_prompt:
-            return engine.tokenize(req.messages)  # type: ignore[arg-type]
-        tok = engine.tokenizer
-        return tok.encode(tok.apply_chat_template(req.messages, add_generation_prompt=False))
+        return engine.tokenize(req.messages, req.add_generation_prompt)  # type: ignore[arg-type]
     except RequestRejected as e:
         raise bad_request(str(e), field) from None
     except Exception as e:  # a chat template that cannot render these messages
