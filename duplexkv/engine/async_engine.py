@@ -1,8 +1,8 @@
 """The engine on its own thread, with an asyncio front for the HTTP server.
 
 One thread runs the step loop; request coroutines talk to it through a command queue and get
-their outputs back on per-request asyncio queues. Hooks let the KV-transfer layer run its
-polling inside the same loop (`on_idle_poll`) and act on finished sequences.
+their outputs back on per-request asyncio queues. While requests wait for remote KV the loop
+wakes at the connector's `poll_timeout` so that each step can poll it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from duplexkv.engine.kv_transfer import KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine, RequestOutput
 from duplexkv.engine.sampling_params import SamplingParams
-from duplexkv.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class _Add:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    extra: object | None
+    kv_params: KVTransferParams | None
 
 
 @dataclass(slots=True)
@@ -57,14 +57,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._stop = threading.Event()
         self.dead: str | None = None
-        # hooks for the transfer layer, run on the engine thread
-        self.on_add: Callable[[Sequence, object], None] | None = None
-        self.before_step: Callable[[], list[RequestOutput]] | None = None
-        self.poll_timeout: Callable[[], float | None] = lambda: None  # None: sleep until a command
         # called (on the engine thread) once the engine has died and every client was told;
         # the server uses it to exit non-zero so that a supervisor restarts the worker
         self.on_dead: Callable[[str], None] | None = None
-        self.num_hook_errors = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -76,8 +71,9 @@ class AsyncEngine:
 
     # front (event loop side)
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       extra: object | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream outputs; `extra` (e.g. kv_transfer_params) goes to the `on_add` hook."""
+                       kv_params: KVTransferParams | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs; `kv_params` go to the engine's connector with the request."""
         if self.dead:
             raise EngineDeadError(self.dead)
         self.engine.check_request(len(prompt_ids), params)
@@ -86,7 +82,7 @@ class AsyncEngine:
         if self.dead:  # died between the check above and registering the stream
             self._streams.pop(request_id, None)
             raise EngineDeadError(self.dead)
-        self._cmds.put(_Add(request_id, prompt_ids, params, extra))
+        self._cmds.put(_Add(request_id, prompt_ids, params, kv_params))
         finished = False
         try:
             while True:
@@ -128,17 +124,12 @@ class AsyncEngine:
     def _handle(self, cmd) -> None:
         if isinstance(cmd, _Add):
             try:
-                seq = self.engine.add_request(cmd.prompt_ids, cmd.params, cmd.request_id)
+                self.engine.add_request(cmd.prompt_ids, cmd.params, cmd.request_id,
+                                        cmd.kv_params)
             except Exception as e:  # rejected: tell the caller
+                if not isinstance(e, ValueError):
+                    log.exception("adding %s failed", cmd.request_id)
                 self._deliver(cmd.request_id, e)
-                return
-            if self.on_add is not None and cmd.extra is not None:
-                try:
-                    self.on_add(seq, cmd.extra)
-                except Exception as e:
-                    log.exception("kv transfer setup failed for %s", cmd.request_id)
-                    self.engine.abort(cmd.request_id)
-                    self._deliver(cmd.request_id, e)
         elif isinstance(cmd, _Abort):
             self.engine.abort(cmd.request_id)
         elif isinstance(cmd, _Call):
@@ -151,25 +142,11 @@ class AsyncEngine:
                 cmd.loop.call_soon_threadsafe(
                     lambda: fut.done() or (fut.set_exception(exc) if exc else fut.set_result(res)))
 
-    def _before_step(self) -> None:
-        """The transfer layer's poll. It isolates its own per-request failures; anything that
-        still escapes is logged and counted, and the engine goes on serving."""
-        if self.before_step is None:
-            return
-        try:
-            outs = self.before_step()
-        except Exception:
-            self.num_hook_errors += 1
-            log.exception("the KV transfer poll failed")
-            return
-        for out in outs:
-            self._deliver(out.request_id, out)
-
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
                 try:
-                    timeout = self.poll_timeout()
+                    timeout = self.engine.connector.poll_timeout()
                     if self.engine.has_work():
                         cmd = self._cmds.get_nowait()
                     elif timeout is not None:
@@ -182,7 +159,6 @@ class AsyncEngine:
                         cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     pass
-                self._before_step()
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
         except BaseException as e:  # unrecoverable (EngineFatal or a bug): fail everyone, loudly

@@ -7,13 +7,20 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from duplexkv.config import EngineConfig
 from duplexkv.engine.block_manager import BlockManager
 from duplexkv.engine.kv_pool import DTYPE, block_bytes, num_blocks_for
+from duplexkv.engine.kv_transfer import (
+    ConnectorEvent,
+    KVConnectorBase,
+    KVTransferParams,
+    LoadFailed,
+    NoKVConnector,
+    PullDeclined,
+)
 from duplexkv.engine.model_runner import ModelRunner
 from duplexkv.engine.sampler import make_generator, process_row, sample_row
 from duplexkv.engine.sampling_params import SamplingParams
@@ -53,7 +60,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     kv_stats: KVStats | None = None
-    kv_transfer_params: dict | None = None  # set by the transfer layer on the final output
+    kv_transfer_params: KVTransferParams | None = None  # the connector's, on the final output
     error: str | None = None  # with finish_reason "error"
 
 
@@ -105,10 +112,13 @@ class LLMEngine:
         self.num_failed_requests = 0  # ended by an error of their own (not by the client)
         self.num_failed_steps = 0
         self._consecutive_step_failures = 0
-        # hooks for the KV-transfer layer (engine thread)
-        self.finish_hook: Callable[[Sequence, str], dict | None] | None = None
-        self.abort_hook: Callable[[Sequence], None] | None = None
-        self.extra_refs: Callable[[], dict[int, int]] | None = None  # blocks pinned outside
+        self.connector: KVConnectorBase = NoKVConnector()
+        self.num_connector_errors = 0
+
+    def attach_connector(self, connector: KVConnectorBase) -> None:
+        """Use `connector` for KV transfer (docs/architecture.md, "The connector contract")."""
+        self.connector = connector
+        self.scheduler.reclaim = connector.reclaim
 
     @property
     def max_model_len(self) -> int:
@@ -159,7 +169,10 @@ class LLMEngine:
                 f"--kv-cache-memory")
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Sequence:
+                    request_id: str | None = None,
+                    kv_params: KVTransferParams | None = None) -> Sequence:
+        """Queue a request; with `kv_params` the connector may first pull remote KV for it
+        (the sequence is parked until the connector's event resumes it)."""
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
@@ -172,15 +185,37 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, self.config.block_size)
         self.requests[request_id] = _ReqState(seq, IncrementalDetokenizer(self.tokenizer),
                                               make_generator(params))
-        self.scheduler.add(seq)
+        try:
+            wants = kv_params is not None and self.connector.wants_remote_kv(seq, kv_params)
+        except BaseException:
+            del self.requests[request_id]  # never queued: nothing else to undo
+            raise
+        if wants:
+            self.scheduler.park_for_remote_kv(seq)
+            try:
+                self.connector.start_pull(seq)
+            except Exception:
+                log.exception("starting the KV pull for %s failed; computing it", request_id)
+                self.num_connector_errors += 1
+                self.connector.on_abort(seq)
+                seq.stats.pull_outcome = "failed"
+                self.scheduler.resume(seq)
+        else:
+            self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str) -> None:
         st = self.requests.pop(request_id, None)
         if st is not None and not st.seq.is_finished:
-            if self.abort_hook is not None:
-                self.abort_hook(st.seq)
+            self._connector_abort(st.seq)
             self.scheduler.finish(st.seq, "abort")
+
+    def _connector_abort(self, seq: Sequence) -> None:
+        try:
+            self.connector.on_abort(seq)
+        except Exception:
+            self.num_connector_errors += 1
+            log.exception("the connector's abort failed for %s", seq.request_id)
 
     def fail_request(self, request_id: str, message: str) -> RequestOutput | None:
         """End a request with finish_reason "error" (e.g. a KV load failed under policy fail)."""
@@ -205,14 +240,15 @@ class LLMEngine:
         """Run one batch. A failure confined to one request ends that request with an error;
         a failure of the whole forward pass ends the batch's requests, then the pool's
         integrity is checked and the engine goes on (EngineFatal when it cannot)."""
+        outputs = self._poll_connector()
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return outputs
         t0 = time.perf_counter()
         try:
             logits = self.runner.run(batch)
         except Exception as e:
-            return self._fail_step(batch, e)
+            return outputs + self._fail_step(batch, e)
         self._consecutive_step_failures = 0
         dt_ms = (time.perf_counter() - t0) * 1e3
         sampling = [item for item in batch if item.samples]
@@ -224,7 +260,6 @@ class LLMEngine:
                                                  seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += item.num_new_tokens
             self.bm.cache_blocks(seq)
-        outputs = []
         if logits is not None:
             for i, item in enumerate(sampling):
                 st = self.requests[item.seq.request_id]
@@ -247,11 +282,8 @@ class LLMEngine:
         """End one request with finish_reason "error"; the others are not touched."""
         log.error("request %s failed: %s", st.seq.request_id, message)
         self.num_failed_requests += 1
-        if self.abort_hook is not None and not st.seq.is_finished:
-            try:
-                self.abort_hook(st.seq)
-            except Exception:
-                log.exception("abort hook failed for %s", st.seq.request_id)
+        if not st.seq.is_finished:
+            self._connector_abort(st.seq)
         out = self.fail_request(st.seq.request_id, message)
         assert out is not None
         return out
@@ -271,6 +303,48 @@ class LLMEngine:
             raise EngineFatal(f"{self._consecutive_step_failures} steps in a row failed, last: "
                               f"{exc!r}") from exc
         return outputs
+
+    # remote KV: the connector's events
+    def _poll_connector(self) -> list[RequestOutput]:
+        try:
+            events = self.connector.poll()
+        except Exception:
+            self.num_connector_errors += 1
+            log.exception("the connector's poll failed")
+            return []
+        outputs = []
+        for ev in events:
+            st = self.requests.get(ev.request_id)
+            if st is None or ev.request_id not in self.scheduler.parked:
+                continue  # aborted meanwhile
+            try:
+                out = self._apply_kv_event(st, ev)
+            except Exception as e:
+                out = self._fail(st, f"applying remote KV failed: {e!r}")
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _apply_kv_event(self, st: _ReqState, ev: ConnectorEvent) -> RequestOutput | None:
+        seq = st.seq
+        if isinstance(ev, LoadFailed):
+            seq.stats.pull_outcome = ev.reason
+            self._connector_abort(seq)
+            return self.fail_request(seq.request_id, ev.message)
+        if isinstance(ev, PullDeclined):
+            seq.stats.pull_outcome = ev.reason
+            self.scheduler.resume(seq)
+            return None
+        seq.stats.pulled_tokens += ev.pulled_tokens
+        seq.stats.transfer_bytes += ev.transfer_bytes
+        seq.stats.transfer_ms += ev.transfer_ms
+        seq.stats.pull_outcome = "pulled"
+        self.scheduler.resume(seq, ev.num_computed_tokens)
+        if ev.first_token_id is not None and seq.num_computed_tokens == seq.num_prompt_tokens:
+            # the holder's greedy token after exactly this prompt: emit it, compute nothing
+            self.bm.cache_blocks(seq)  # no step may follow (the request can finish right here)
+            return self.accept_token(seq.request_id, ev.first_token_id)
+        return None
 
     def accept_token(self, request_id: str, tok: int) -> RequestOutput:
         """Append a token sampled elsewhere (P's first token on a D leg) as this request's next
@@ -307,11 +381,11 @@ class LLMEngine:
             reason = "length"
         kv_params = None
         if reason is not None:
-            if self.finish_hook is not None:
-                try:
-                    kv_params = self.finish_hook(seq, reason)
-                except Exception:  # the answer is still good; only its KV is not kept
-                    log.exception("finish hook failed for %s", seq.request_id)
+            try:
+                kv_params = self.connector.on_finish(seq, reason)
+            except Exception:  # the answer is still good; only its KV is not kept
+                self.num_connector_errors += 1
+                log.exception("the connector's finish failed for %s", seq.request_id)
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]
             visible = len(st.text)
@@ -334,6 +408,6 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Pool invariants, and every block reference accounted for (sequences + pins)."""
         refs = self.scheduler.refs_held()
-        for bid, n in (self.extra_refs() if self.extra_refs else {}).items():
+        for bid, n in self.connector.extra_refs().items():
             refs[bid] = refs.get(bid, 0) + n
         self.bm.check_integrity(refs)

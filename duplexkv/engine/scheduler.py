@@ -134,13 +134,28 @@ class Scheduler:
         seq.finish_reason = reason
         self.bm.free(seq)
 
-    # remote KV (used by the transfer layer)
-    def park(self, seq: Sequence) -> None:
+    # remote KV: the engine parks a sequence while its connector pulls, then resumes it
+    def park_for_remote_kv(self, seq: Sequence) -> None:
+        """Apply the local prefix hit and hold `seq` out of scheduling (not queued)."""
+        self.apply_prefix_hit(seq)
         seq.status = SeqStatus.WAITING_FOR_REMOTE_KV
         self.parked[seq.request_id] = seq
 
-    def unpark(self, seq: Sequence) -> None:
+    def reserve_for_remote_kv(self, seq: Sequence, num_tokens: int) -> list[int] | None:
+        """Blocks for a parked `seq`'s first `num_tokens` tokens (reclaiming blocks held for
+        other workers if needed): the new block table, or None when there is no room."""
+        assert seq.request_id in self.parked, "reserve for a sequence that is not parked"
+        return list(seq.block_table) if self._allocate(seq, num_tokens) else None
+
+    def resume(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
+        """Back to the front of the queue: with `num_computed_tokens` computed (remote KV
+        landed in its blocks), or, by default, only its local prefix hit."""
         del self.parked[seq.request_id]
+        if num_computed_tokens is None:
+            num_computed_tokens = min(seq.num_computed_tokens,
+                                      seq.num_hashed_blocks * self.bm.block_size)
+        assert num_computed_tokens <= seq.num_blocks * self.bm.block_size
+        seq.num_computed_tokens = num_computed_tokens
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -32,7 +32,7 @@ class KVCollector(Collector):
         yield declined
         retained = CounterMetricFamily("duplexkv_kv_retained", "Finished requests whose blocks "
                                        "were kept for another worker", labels=["kind"])
-        for kind, n in c["retained"].items():
+        for kind, n in self.c.holder.counters.items():
             retained.add_metric([kind], n)
         yield retained
         st = self.c.retained.stats()

@@ -21,6 +21,7 @@ def attach_kv_transfer(aeng: AsyncEngine, kv_config: dict | None, args: argparse
     from duplexkv.kv.connector import KVConnector  # imports the transport libraries
     from duplexkv.kv.metrics import KVCollector
 
-    connector = KVConnector(cfg, aeng)
+    connector = KVConnector(cfg, aeng.engine)
+    aeng.engine.attach_connector(connector)
     atexit.register(connector.close)
     return (lambda: {"kv_transfer": connector.health()}), (KVCollector(connector),)

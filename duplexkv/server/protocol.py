@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from duplexkv.engine.kv_transfer import KVParamsError, KVTransferParams
 from duplexkv.engine.sampling_params import SamplingParams
 from duplexkv.server.body import MAX_DEPTH, check_json_value
 from duplexkv.server.errors import bad_request
@@ -44,7 +45,7 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False  # vLLM extension: token ids on each choice
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Engine settings; a ValueError from the engine becomes a 400 naming the field."""
@@ -133,6 +134,10 @@ def parse_request(body: dict, kind: Kind) -> GenerateRequest:
     options = f.get("stream_options", (dict,), "an object", {})
     include_usage = _Fields(options).get("include_usage", (bool,), "a boolean", False)
     kv = f.get("kv_transfer_params", (dict,), "an object or null")
+    try:
+        kv_params = KVTransferParams.from_dict(kv) if kv is not None else None
+    except KVParamsError as e:
+        raise bad_request(str(e), "kv_transfer_params") from None
     common: dict[str, Any] = {
         "kind": kind, "model": model, "max_tokens": max_tokens,
         "temperature": f.number("temperature", 1.0), "top_p": f.number("top_p", 1.0),
@@ -145,7 +150,7 @@ def parse_request(body: dict, kind: Kind) -> GenerateRequest:
         "stop_token_ids": _int_list(body.get("stop_token_ids"), "stop_token_ids"),
         "ignore_eos": f.boolean("ignore_eos"), "min_tokens": f.integer("min_tokens", 0),
         "stream": stream, "include_usage": bool(stream and include_usage),
-        "return_token_ids": f.boolean("return_token_ids"), "kv_transfer_params": kv}
+        "return_token_ids": f.boolean("return_token_ids"), "kv_transfer_params": kv_params}
     if kind == "completion":
         if "prompt" not in body or body["prompt"] is None:
             raise bad_request("`prompt` is required", "prompt")

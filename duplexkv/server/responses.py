@@ -65,7 +65,7 @@ class Formatter:
             choice["prompt_token_ids"] = out.prompt_token_ids
             choice["token_ids"] = out.token_ids
         return {**self._head(self._object), "choices": [choice], "usage": usage(out),
-                "kv_stats": kv_stats(out), "kv_transfer_params": out.kv_transfer_params}
+                "kv_stats": kv_stats(out), "kv_transfer_params": _params(out)}
 
     # stream
     def _chunk(self, delta: str, finish_reason: str | None, role: bool = False) -> dict:
@@ -99,7 +99,7 @@ class Formatter:
         if self.return_token_ids:
             body["choices"][0]["token_ids"] = out.new_token_ids
         body["kv_stats"] = kv_stats(out)
-        body["kv_transfer_params"] = out.kv_transfer_params
+        body["kv_transfer_params"] = _params(out)
         return sse(body)
 
     def usage_chunk(self, out: RequestOutput) -> str:
@@ -109,3 +109,8 @@ class Formatter:
 
     def error_chunk(self, error: dict) -> str:
         return sse(error)
+
+
+def _params(out: RequestOutput) -> dict | None:
+    p = out.kv_transfer_params
+    return None if p is None else p.to_dict()

@@ -186,7 +186,7 @@ class OpenAIServing:
                  len(prep.prompt_ids), prep.params.max_tokens, prep.req.stream,
                  prep.req.kv_transfer_params is not None)
         gen = self.aeng.generate(rid, prep.prompt_ids, prep.params,
-                                 extra=prep.req.kv_transfer_params)
+                                 kv_params=prep.req.kv_transfer_params)
         try:
             if prep.req.stream:
                 first = await unless_disconnected(request, self._next(gen, ctx))

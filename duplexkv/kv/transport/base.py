@@ -4,7 +4,7 @@ Every worker registers one pool tensor `[num_blocks, ...]` (contiguous, CPU), so
 byte range `pool.data_ptr() + b * block_bytes` of length `block_bytes`. A transfer is a pull: the
 reader READs remote block ids into its own block ids, then the holder receives a notification
 (opaque bytes) so that it can free the blocks. Implementations: `nixl` (NIXL / UCX) and `tcp`
-(standard library sockets). Pick one with `make_transport(kind, **kw)`.
+(standard library sockets). `duplexkv.kv.transport.make_transport(kind, **kw)` picks one.
 """
 
 from __future__ import annotations
@@ -227,27 +227,3 @@ class KVTransport(ABC):
     @abstractmethod
     def health(self) -> dict:
         """JSON-serialisable state: transport details, counters, `warnings` (list of str)."""
-
-
-def make_transport(kind: str, **kw) -> KVTransport:
-    """Create a transport: kind "nixl" (NIXL with the UCX backend) or "tcp" (built in).
-
-    Keyword arguments go to the implementation (`engine_id`, `timeout_s`, `host`, ...).
-    """
-    if kind == "tcp":
-        from duplexkv.kv.transport.tcp import TcpTransport
-
-        return TcpTransport(**kw)
-    if kind == "nixl":
-        try:
-            import nixl  # noqa: F401
-        except ImportError as e:
-            raise RuntimeError(
-                f"the nixl transport needs NIXL, which is not importable ({e}). Install it after "
-                f"torch, without dependencies so that no CUDA torch is pulled in: "
-                f"`{NIXL_INSTALL_HINT}`; or use the built-in transport "
-                f"(kv_connector \"TcpConnector\")") from e
-        from duplexkv.kv.transport.nixl import NixlTransport
-
-        return NixlTransport(**kw)
-    raise ValueError(f"unknown KV transport {kind!r}; use 'nixl' or 'tcp'")

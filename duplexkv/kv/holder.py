@@ -1,0 +1,106 @@
+"""The holder: blocks this worker keeps for another worker to READ, and the verify/claim service.
+
+    kind    created when (on_finish)           renewed by          released by
+    lease   P leg finished (do_remote_decode)  heartbeats, claim   reader's done/skip, expiry
+    ttl     D leg finished (do_remote_prefill, claim only          reader's done/skip, expiry,
+            bidirectional on)                                      memory pressure (oldest first)
+
+A reader first asks `serve_verify` which leading tokens of its prompt the held blocks contain
+(chained block hashes, then token by token) and thereby claims the entry for the READ; the READ
+itself is served by the transport; its completion notification (`done:<id>`) or a reader's
+notify-only message (`skip:<id>`) releases the entry. Engine-thread methods: `hold`,
+`on_notification`, `expire`, `reclaim`, `refs`. Side-channel thread: `serve_verify`,
+`serve_heartbeat` (the retention table is locked).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from duplexkv.engine.block_manager import BlockManager
+from duplexkv.engine.kv_transfer import KVTransferParams
+from duplexkv.engine.sequence import Sequence
+from duplexkv.kv import messages as m
+from duplexkv.kv.config import KVTransferConfig
+from duplexkv.kv.retention import Retained, RetentionTable
+
+log = logging.getLogger(__name__)
+
+
+class Holder:
+    def __init__(self, cfg: KVTransferConfig, bm: BlockManager, block_size: int, seed: bytes,
+                 engine_id: str) -> None:
+        self.cfg, self.bm, self.engine_id = cfg, bm, engine_id
+        self.retained = RetentionTable(block_size, seed)
+        self.address: tuple[str, int] = ("", 0)  # the side channel's, set once it listens
+        self.counters = {"lease": 0, "ttl": 0}
+
+    def kind_for(self, p: KVTransferParams) -> str | None:
+        """What finishing a request with these params leaves held: "lease", "ttl" or None."""
+        if p.do_remote_decode:
+            return "lease"
+        if p.do_remote_prefill and self.cfg.bidirectional_kv_xfer:
+            return "ttl"
+        return None
+
+    def hold(self, seq: Sequence, kind: str) -> KVTransferParams:
+        """Pin the finished `seq`'s computed blocks under a lease or TTL; the params say where."""
+        duration = self.cfg.kv_lease_duration if kind == "lease" else self.cfg.decoder_kv_blocks_ttl
+        n = seq.num_computed_tokens  # the last sampled token has no KV
+        blocks = seq.block_table[: self.bm.blocks_needed(n)]
+        self.bm.pin(blocks)
+        rid = f"{seq.request_id}-{uuid.uuid4().hex[:8]}"
+        entry = self.retained.add(rid, blocks, seq.all_token_ids[:n], kind, duration)
+        self.counters[kind] += 1
+        # P's first token is what a greedy D would compute, if nothing masked P's logits
+        sp = seq.params
+        first = seq.output_token_ids[0] if (
+            kind == "lease" and sp.greedy and sp.min_tokens == 0 and seq.output_token_ids
+            and n == seq.num_prompt_tokens and not sp.logit_bias and not sp.has_penalties
+        ) else None
+        host, port = self.address
+        return KVTransferParams(
+            do_remote_decode=kind == "ttl", do_remote_prefill=kind == "lease",
+            remote_block_ids=tuple(blocks), remote_engine_id=self.engine_id,
+            remote_request_id=rid, remote_host=host, remote_port=port, remote_num_tokens=n,
+            remote_blocks_expiry_time=entry.expiry if kind == "ttl" else None,
+            first_token_id=first)
+
+    def _release(self, entry: Retained | None) -> None:
+        if entry is not None:
+            self.bm.unpin(entry.block_ids)
+
+    def on_notification(self, msg: bytes) -> None:
+        """A reader finished READing (`done:<id>`) or declined (`skip:<id>`)."""
+        kind, _, rid = msg.decode(errors="replace").partition(":")
+        self._release(self.retained.pop(rid, "read" if kind == "done" else "notified"))
+
+    def expire(self) -> None:
+        for entry in self.retained.pop_expired():
+            log.info("retained blocks of %s expired (%s)", entry.request_id, entry.kind)
+            self._release(entry)
+
+    def reclaim(self, need_blocks: int) -> int:
+        """Release retained entries, oldest unclaimed first, until `need_blocks` are free."""
+        released = 0
+        while self.bm.num_free_blocks < need_blocks:
+            entry = self.retained.pop_oldest_unclaimed()
+            if entry is None:
+                break
+            self._release(entry)
+            released += 1
+        return released
+
+    def refs(self) -> dict[int, int]:
+        return self.retained.refs()
+
+    # side-channel thread
+    def serve_verify(self, req: m.Verify) -> m.VerifyReply:
+        claim_s = self.cfg.read_timeout_s + self.cfg.expiry_margin_s
+        r = self.retained.verify_and_claim(req.request_id, req.hashes, req.tokens, claim_s)
+        return m.VerifyReply(r.matched_tokens, r.expiry, r.reason)
+
+    def serve_heartbeat(self, req: m.Heartbeat) -> m.HeartbeatReply:
+        return m.HeartbeatReply(self.retained.heartbeat(req.request_ids,
+                                                        self.cfg.kv_lease_duration * 2 / 3))
