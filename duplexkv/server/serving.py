@@ -32,6 +32,7 @@ from duplexkv.server.errors import (
 )
 from duplexkv.server.metrics import ServerMetrics
 from duplexkv.server.protocol import GenerateRequest, Kind, parse_json, parse_request
+from duplexkv.server.request_id import clean_request_id
 from duplexkv.server.responses import DONE, Formatter, cached_tokens, sse
 from duplexkv.server.sse import SSEResponse
 
@@ -101,7 +102,7 @@ class RequestIds:
 
     def claim(self, header: str | None, kind: Kind) -> tuple[str, str]:
         """-> (engine request id, response id)."""
-        base = (header or "").strip()[:200]
+        base = clean_request_id(header) or ""
         rid = base or f"{PREFIX[kind]}-{uuid.uuid4().hex}"
         while rid in self.in_flight:
             rid = f"{base}-{uuid.uuid4().hex[:8]}"
