@@ -120,7 +120,7 @@ def test_deep_json_is_a_400(router, opening, closing):
 
 
 def test_non_standard_json_constants_are_a_400(router):
-    for const in ("NaN", "Infinity", "-Infinity"):
+    for const in ("NaN", "Infinity", "-Infinity", "1e999", "-1e400"):
         text = '{"prompt": "hi", "max_tokens": 2, "temperature": %s}' % const
         assert_openai_error(post_raw(router.url + COMPLETIONS, text.encode()), 400)
     huge_int = '{"prompt": "hi", "max_tokens": %s}' % ("9" * 5000)
@@ -181,6 +181,14 @@ def test_request_ids_are_sanitised_and_kept_when_safe(router):
                  headers={"x-request-id": "a b\tc\u00e9;<script>".encode("latin-1")})
     assert r.status_code == 200, r.text
     assert re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", r.headers["x-request-id"])
+
+
+def test_non_ascii_authorization_is_a_400(router):
+    # found by the fuzz suite: forwarding it to a worker failed (a 503 naming the worker)
+    r = post_raw(router.url + CHAT, json.dumps(chat_body()).encode(),
+                 headers={"authorization": "Bearer caf\u00e9".encode("latin-1")})
+    err = assert_openai_error(r, 400)
+    assert "Authorization" in err["message"], err
 
 
 # --- Redis hung (SIGSTOP): the breaker ------------------------------------------------------

@@ -6,7 +6,7 @@ else goes to the workers, whose 4xx are relayed as they are. `conversation_id` a
 `kv_transfer_params` are taken out of the body here: the router owns `kv_transfer_params`.
 
 Before any of that the body must be strict JSON the router can pass on (issue 10): no NaN or
-Infinity, no integer too long to convert, at most `max_depth` levels of nesting, and valid Unicode
+Infinity (nor a number that overflows to it), no integer too long to convert, at most `max_depth` levels of nesting, and valid Unicode
 in every key and string (a lone surrogate escape such as `"\\ud800"` decodes to a str that cannot
 be encoded again). Each is a 400 that names the field, never the offending value.
 """
@@ -14,6 +14,7 @@ be encoded again). Each is a 400 that names the field, never the offending value
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -56,12 +57,16 @@ class ClientRequest:
 def parse_client_request(raw: bytes, headers: Mapping[str, str], kind: Kind,
                          max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> ClientRequest:
     """Raises APIError (400) for what a worker would reject anyway."""
+    authorization = headers.get("authorization")
+    if authorization is not None and not (authorization.isascii()
+                                          and authorization.isprintable()):
+        raise bad_request("The Authorization header must be printable ASCII.")
     body = parse_json(raw, max_depth)
     conv = _conversation_id(body.pop("conversation_id", None), headers)
     body.pop("kv_transfer_params", None)  # never trusted from a client
     _validate(body, kind)
     return ClientRequest(kind, body, body.get("stream") is True, body.get("model"), conv,
-                         headers.get("authorization"), clean_request_id(headers.get("x-request-id")))
+                         authorization, clean_request_id(headers.get("x-request-id")))
 
 
 def request_too_large(limit: int) -> APIError:
@@ -78,7 +83,7 @@ def parse_json(raw: bytes, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict:
     """A JSON object the router can re-encode and forward, or a 400 (the worker's messages for
     what the worker rejects too)."""
     try:
-        body = json.loads(raw, parse_constant=_no_constant)
+        body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:  # deeper than the interpreter's stack allows
         raise _too_deep(max_depth, None) from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an over-long integer
@@ -91,6 +96,13 @@ def parse_json(raw: bytes, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):  # 1e999: valid JSON syntax, but no double holds it
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return v
 
 
 def _too_deep(max_depth: int, param: str | None) -> APIError:
