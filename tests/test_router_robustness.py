@@ -9,6 +9,7 @@ processes (the tiny model)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -23,6 +24,8 @@ import httpx
 import pytest
 from test_router import ARGS, MODEL, _free_port, bidi, start_router
 
+from duplexkv.router.breaker import Breaker, BreakerOpen
+from duplexkv.router.store import GuardedStore, MemoryStore
 from workers import start_worker
 
 STORE_TIMEOUT_S = 0.5
@@ -189,6 +192,54 @@ def test_non_ascii_authorization_is_a_400(router):
                  headers={"authorization": "Bearer caf\u00e9".encode("latin-1")})
     err = assert_openai_error(r, 400)
     assert "Authorization" in err["message"], err
+
+
+# --- the breaker on its own ---------------------------------------------------------------
+def test_breaker_opens_probes_once_per_period_and_closes():
+    now = [0.0]
+    b = Breaker("store", period_s=5.0, clock=lambda: now[0])
+    assert b.allow() and b.state == "closed"
+    b.failure(TimeoutError("hung"))
+    assert b.state == "open" and not b.allow()
+    now[0] = 4.9
+    assert not b.allow()
+    now[0] = 5.0
+    assert b.allow() and b.state == "half_open"
+    assert not b.allow()  # one probe at a time
+    b.failure(TimeoutError("still hung"))  # another period
+    now[0] = 9.9
+    assert not b.allow()
+    now[0] = 10.0
+    assert b.allow()
+    b.abandon()  # a cancelled probe tells nothing: the next call probes
+    assert b.allow()
+    b.success()
+    assert b.state == "closed" and b.allow() and b.opened == 1
+
+    class Failing(MemoryStore):
+        fail = True
+
+        async def take(self, key):
+            if self.fail:
+                raise ConnectionError("down")
+            return await super().take(key)
+
+    inner = Failing(10, 10)
+    store = GuardedStore(inner, 5.0)
+    store.breaker.clock = lambda: now[0]
+
+    async def run():
+        with pytest.raises(ConnectionError):
+            await store.take("k")
+        assert store.state() == "degraded"
+        with pytest.raises(BreakerOpen):  # not called at all
+            await store.take("k")
+        inner.fail = False
+        now[0] += 5.0
+        assert (await store.take("k")).entry is None
+        assert store.state() == "ok"
+
+    asyncio.run(run())
 
 
 # --- Redis hung (SIGSTOP): the breaker ------------------------------------------------------

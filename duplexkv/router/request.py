@@ -6,9 +6,10 @@ else goes to the workers, whose 4xx are relayed as they are. `conversation_id` a
 `kv_transfer_params` are taken out of the body here: the router owns `kv_transfer_params`.
 
 Before any of that the body must be strict JSON the router can pass on (issue 10): no NaN or
-Infinity (nor a number that overflows to it), no integer too long to convert, at most `max_depth` levels of nesting, and valid Unicode
-in every key and string (a lone surrogate escape such as `"\\ud800"` decodes to a str that cannot
-be encoded again). Each is a 400 that names the field, never the offending value.
+Infinity (nor a number that overflows to it), no integer too long to convert, at most `max_depth`
+levels of nesting, and valid Unicode in every key and string (a lone surrogate escape such as
+`"\\ud800"` decodes to a str that cannot be encoded again). Each is a 400 that names the field,
+never the offending value. The Authorization header, forwarded to the workers, must be ASCII.
 """
 
 from __future__ import annotations
