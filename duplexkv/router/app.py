@@ -3,8 +3,13 @@ layer, so the hot path stays short).
 
     POST /v1/chat/completions, /v1/completions   one P leg + one D leg (proxy.Proxy)
     GET  /v1/models    the workers' models (from the first healthy worker that answers)
-    GET  /health       per-backend state; 503 while no P or no D is healthy
+    GET  /health       per-backend state; 503 while no P or no D is healthy; status "degraded"
+                       (200) while the conversation store is failing (turns run as misses)
     GET  /metrics      Prometheus
+
+Client input is bounded before anything else runs: headers over `max_header_bytes` get a 431,
+bodies over `max_request_bytes` a 413 (read no further), and `request.parse_client_request`
+rejects malformed JSON, deep nesting and invalid Unicode with a 400, all in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -16,15 +21,23 @@ import time
 import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from duplexkv.router.backends import BackendPool, HealthChecker
 from duplexkv.router.config import RouterConfig
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.proxy import Proxy, Relayed
-from duplexkv.router.request import ENDPOINTS, Kind, parse_client_request
+from duplexkv.router.request import (
+    ENDPOINTS,
+    Kind,
+    headers_too_large,
+    parse_client_request,
+    request_too_large,
+)
 from duplexkv.router.store import ConversationStore, make_store
 from duplexkv.router.upstream import Upstream
 from duplexkv.server.errors import APIError, internal_error, model_not_found
@@ -35,7 +48,8 @@ log = logging.getLogger("duplexkv.router")
 def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Starlette:
     pool = BackendPool.from_urls(cfg.prefill, cfg.decode, affinity_slack=cfg.affinity_slack,
                                  unhealthy_after=cfg.unhealthy_after)
-    store = store or make_store(cfg.store, cfg.conversation_ttl_s, cfg.max_conversations)
+    store = store or make_store(cfg.store, cfg.conversation_ttl_s, cfg.max_conversations,
+                                cfg.store_timeout_s, cfg.store_breaker_period_s)
     metrics = RouterMetrics()
     state: dict = {}
 
@@ -57,7 +71,8 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
         arrival = time.perf_counter()
         proxy: Proxy = state["proxy"]
         try:
-            req = parse_client_request(await request.body(), request.headers, kind)
+            raw = await read_body(request, cfg.max_request_bytes)
+            req = parse_client_request(raw, request.headers, kind, cfg.max_json_depth)
             models = pool.models()
             if req.model is not None and models and req.model not in models:
                 raise model_not_found(req.model)
@@ -101,7 +116,9 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
         else:
             store_error = None
         ok = any(b.healthy for b in pool.prefill) and any(b.healthy for b in pool.decode)
-        body = {"status": "ok" if ok else "unavailable", "store": store.describe(),
+        store_state = store.state()
+        status = "unavailable" if not ok else "ok" if store_state == "ok" else "degraded"
+        body = {"status": status, "store": store.describe(), "store_state": store_state,
                 "conversations": stored, "store_error": store_error, **pool.state()}
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -127,6 +144,37 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
               Route("/health", health, methods=["GET"]),
               Route("/metrics", prometheus, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=[Middleware(HeaderLimit, max_bytes=cfg.max_header_bytes)],
                     exception_handlers={HTTPException: http_error, Exception: unexpected})
     app.state.pool, app.state.store, app.state.metrics = pool, store, metrics
     return app
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed `limit` bytes (from Content-Length,
+    or while reading a chunked one)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise request_too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise request_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class HeaderLimit:
+    """ASGI middleware: a 431 in OpenAI's shape when the request's headers, all together, exceed
+    `max_bytes` (the HTTP server itself refuses only far larger ones)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and sum(
+                len(k) + len(v) + 4 for k, v in scope["headers"]) > self.max_bytes:
+            await headers_too_large(self.max_bytes).response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -39,6 +39,14 @@ class RouterConfig:
     upstream_http: str = "fast"  # "fast" (router.transport) or "httpcore" (httpx's default)
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
+    # client input bounds (issue 10): larger is a 413 / 431 / 400 in OpenAI's error shape
+    max_request_bytes: int = 4 << 20
+    max_header_bytes: int = 32 << 10  # all header names and values together
+    max_json_depth: int = 64
+    # the conversation store (Redis): per-call socket timeouts, then a circuit breaker that skips
+    # the store (turns run as misses) for this long after a failure before one call probes it
+    store_timeout_s: float = 0.5
+    store_breaker_period_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -55,6 +63,12 @@ class RouterConfig:
             raise ValueError("--unhealthy-after must be >= 1 and --affinity-slack >= 0")
         if self.upstream_http not in ("fast", "httpcore"):
             raise ValueError("--upstream-http must be 'fast' or 'httpcore'")
+        if self.max_request_bytes < 1024 or self.max_header_bytes < 1024:
+            raise ValueError("--max-request-bytes and --max-header-bytes must be >= 1024")
+        if self.max_json_depth < 2:
+            raise ValueError("--max-json-depth must be >= 2")
+        if self.store_timeout_s <= 0 or self.store_breaker_period_s <= 0:
+            raise ValueError("--store-timeout and --store-breaker-period must be > 0")
         if not (self.store == "memory" or self.store.startswith(("redis://", "rediss://",
                                                                    "unix://"))):
             raise ValueError(f"--store must be 'memory' or a redis:// URL, got {self.store!r}")

@@ -3,7 +3,8 @@
     recall     (api key, conversation id) -> the stored entry, taken (single use); no id -> none
     remember   D's params of a finished turn (remote_host fixed up if loopback) -> the store
     outages    a failing store costs reuse, never the request: the turn runs as a miss, the
-               failure is logged and counted
+               failure is logged and counted (while the store's breaker is open, calls are
+               skipped: counted, logged at debug level only)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import time
 from typing import NamedTuple
 
+from duplexkv.router.breaker import BreakerOpen
 from duplexkv.router.legs import rewrite_remote_host
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.store import ConversationStore, Entry, conversation_key
@@ -38,7 +40,7 @@ class Conversations:
         try:
             taken = await self.store.take(key)
         except Exception as e:  # noqa: BLE001 - any store failure: run the turn as a miss
-            log.warning("%s: conversation store take failed: %r", request_id, e)
+            _log_failure(request_id, "take", e)
             self.metrics.store_errors.labels("take").inc()
             return Recalled(key, None, "miss")
         if taken.expired:
@@ -58,10 +60,15 @@ class Conversations:
         try:
             res = await self.store.put(key, Entry(params, decode_url, time.time()))
         except Exception as e:  # noqa: BLE001 - as in recall
-            log.warning("%s: conversation store put failed: %r", request_id, e)
+            _log_failure(request_id, "put", e)
             self.metrics.store_errors.labels("put").inc()
             return
         m = self.metrics.conversations
         m.labels("stored").inc()
         m.labels("expired").inc(res.expired)
         m.labels("evicted").inc(res.evicted)
+
+
+def _log_failure(request_id: str, op: str, e: Exception) -> None:
+    level = logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING
+    log.log(level, "%s: conversation store %s failed: %r", request_id, op, e)

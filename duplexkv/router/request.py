@@ -4,22 +4,31 @@ The router rejects only what it can tell without a tokenizer, with the worker's 
 (`duplexkv.server.protocol`), so a client sees the same 400 with or without the router; anything
 else goes to the workers, whose 4xx are relayed as they are. `conversation_id` and any
 `kv_transfer_params` are taken out of the body here: the router owns `kv_transfer_params`.
+
+Before any of that the body must be strict JSON the router can pass on (issue 10): no NaN or
+Infinity (nor a number that overflows to it), no integer too long to convert, at most `max_depth`
+levels of nesting, and valid Unicode in every key and string (a lone surrogate escape such as
+`"\\ud800"` decodes to a str that cannot be encoded again). Each is a 400 that names the field,
+never the offending value. The Authorization header, forwarded to the workers, must be ASCII.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from duplexkv.server.errors import bad_request
-from duplexkv.server.protocol import parse_json
+from duplexkv.server.errors import APIError, bad_request
+from duplexkv.server.request_id import clean_request_id
 
 Kind = Literal["completion", "chat"]
 PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 ENDPOINTS = {"completion": "completions", "chat": "chat_completions"}
 ID_HEADERS = ("x-session-id", "x-conversation-id")
 _MISSING = object()
+DEFAULT_MAX_JSON_DEPTH = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,14 +55,105 @@ class ClientRequest:
         return ENDPOINTS[self.kind]
 
 
-def parse_client_request(raw: bytes, headers: Mapping[str, str], kind: Kind) -> ClientRequest:
+def parse_client_request(raw: bytes, headers: Mapping[str, str], kind: Kind,
+                         max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> ClientRequest:
     """Raises APIError (400) for what a worker would reject anyway."""
-    body = parse_json(raw)
+    authorization = headers.get("authorization")
+    if authorization is not None and not (authorization.isascii()
+                                          and authorization.isprintable()):
+        raise bad_request("The Authorization header must be printable ASCII.")
+    body = parse_json(raw, max_depth)
     conv = _conversation_id(body.pop("conversation_id", None), headers)
     body.pop("kv_transfer_params", None)  # never trusted from a client
     _validate(body, kind)
     return ClientRequest(kind, body, body.get("stream") is True, body.get("model"), conv,
-                         headers.get("authorization"), headers.get("x-request-id"))
+                         authorization, clean_request_id(headers.get("x-request-id")))
+
+
+def request_too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than the limit of {limit} bytes.",
+                    code="request_too_large")
+
+
+def headers_too_large(limit: int) -> APIError:
+    return APIError(431, f"The request headers are larger than the limit of {limit} bytes.",
+                    code="request_header_fields_too_large")
+
+
+def parse_json(raw: bytes, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict:
+    """A JSON object the router can re-encode and forward, or a 400 (the worker's messages for
+    what the worker rejects too)."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:  # deeper than the interpreter's stack allows
+        raise _too_deep(max_depth, None) from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an over-long integer
+        raise bad_request(f"The request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    _check_tree(body, max_depth)
+    return body
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):  # 1e999: valid JSON syntax, but no double holds it
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return v
+
+
+def _too_deep(max_depth: int, param: str | None) -> APIError:
+    return bad_request(f"The request body is nested too deeply (more than {max_depth} levels).",
+                       param)
+
+
+def _bad_unicode(param: str | None) -> APIError:
+    where = f" in `{param}`" if param else " in a key"
+    return bad_request(f"The request body contains invalid Unicode (a lone surrogate){where}.",
+                       param)
+
+
+def _encodable(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_SCALARS = frozenset((int, float, bool, type(None)))
+
+
+def _check_tree(body: dict, max_depth: int) -> None:
+    """Depth and Unicode of every value, without recursion; `param` paths are built only for
+    containers and for the one bad string (token id lists stay cheap)."""
+    stack: list[tuple[Any, int, str]] = [(body, 1, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        if depth > max_depth:
+            raise _too_deep(max_depth, path.split(".")[0].split("[")[0] or None)
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if not _encodable(k):
+                    raise _bad_unicode(path or None)
+                if isinstance(v, str):
+                    if not _encodable(v):
+                        raise _bad_unicode(f"{path}.{k}" if path else k)
+                elif isinstance(v, (dict, list)):
+                    stack.append((v, depth + 1, f"{path}.{k}" if path else k))
+        elif not _SCALARS.issuperset(map(type, node)):  # token ids: one pass in C
+            for i, v in enumerate(node):
+                if isinstance(v, str):
+                    if not _encodable(v):
+                        raise _bad_unicode(f"{path}[{i}]")
+                elif isinstance(v, (dict, list)):
+                    stack.append((v, depth + 1, f"{path}[{i}]"))
 
 
 def api_key(authorization: str | None) -> str | None:
@@ -61,8 +161,6 @@ def api_key(authorization: str | None) -> str | None:
         return None
     scheme, _, token = authorization.strip().partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else authorization.strip()
-
-
 
 
 def _conversation_id(value: Any, headers: Mapping[str, str]) -> str | None:

@@ -43,6 +43,17 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                    help="HTTP/1.1 client transport to the workers: the router's lean asyncio "
                         "one (default) or httpx's stock httpcore")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20, metavar="N",
+                   help="larger request bodies get a 413 (default 4 MiB)")
+    p.add_argument("--max-header-bytes", type=int, default=32 << 10, metavar="N",
+                   help="larger request headers (all together) get a 431 (default 32 KiB)")
+    p.add_argument("--max-json-depth", type=int, default=64, metavar="N",
+                   help="request bodies nested deeper get a 400 (default 64)")
+    p.add_argument("--store-timeout", type=float, default=0.5, metavar="S",
+                   help="connect and read timeout of each conversation store call (default 0.5)")
+    p.add_argument("--store-breaker-period", type=float, default=5.0, metavar="S",
+                   help="after a store failure, serve turns as misses without calling the store "
+                        "for S seconds, then let one call probe it (default 5)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run_router)
     return p
@@ -55,7 +66,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         max_conversations=args.max_conversations, health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout, affinity_slack=args.affinity_slack,
         rewrite_remote_host=args.rewrite_remote_host, upstream_http=args.upstream_http,
-        request_timeout_s=args.request_timeout)
+        request_timeout_s=args.request_timeout, max_request_bytes=args.max_request_bytes,
+        max_header_bytes=args.max_header_bytes, max_json_depth=args.max_json_depth,
+        store_timeout_s=args.store_timeout, store_breaker_period_s=args.store_breaker_period)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -70,9 +83,13 @@ def run_router(args: argparse.Namespace) -> int:
     from duplexkv.server.uvicorn_server import CleanExitServer as Server
 
     app = build_app(cfg)
+    # the app answers headers over cfg.max_header_bytes with a 431 in OpenAI's shape; h11 refuses
+    # (400) only what is far beyond that
     server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="on",
-                                           log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=5))
+                                   log_level="warning", access_log=False,
+                                   timeout_graceful_shutdown=5,
+                                   h11_max_incomplete_event_size=max(64 << 10,
+                                                                     2 * cfg.max_header_bytes)))
     asyncio.run(_serve(server, app))
     return 0 if server.started else 1
 

@@ -4,6 +4,10 @@ An entry is single-use: `take` removes it atomically, so of two racing turns at 
 D's blocks (the other runs as a miss). Entries expire before D frees the blocks (the router's
 TTL < D's `decoder_kv_blocks_ttl`) and the store keeps at most `max_entries` (oldest first out).
 Keys are namespaced by the caller's API key: one tenant cannot name another's conversation.
+
+Redis is called with short socket timeouts and behind a circuit breaker (`GuardedStore`): with
+Redis down or hung, turns run as misses (plain P/D) at the cost of at most one timeout per breaker
+period, /health reports the store as degraded, and the first call after a period probes Redis.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from duplexkv.router.breaker import Breaker
 
 
 def conversation_key(api_key: str | None, conversation_id: str) -> str:
@@ -73,6 +79,10 @@ class ConversationStore(ABC):
 
     def describe(self) -> str:
         return type(self).__name__
+
+    def state(self) -> str:
+        """ok | degraded (failing recently: turns run as misses)."""
+        return "ok"
 
 
 class MemoryStore(ConversationStore):
@@ -144,15 +154,23 @@ class RedisStore(ConversationStore):
     (GET+DEL+ZREM, atomic on the server), the bound is kept with a sorted set of put times.
     Standalone Redis (the script touches keys it does not declare, so not Redis Cluster)."""
 
-    def __init__(self, url: str, ttl_s: float, max_entries: int, prefix: str = "duplexkv:conv:"
-                 ) -> None:
+    def __init__(self, url: str, ttl_s: float, max_entries: int, prefix: str = "duplexkv:conv:",
+                 timeout_s: float = 0.5) -> None:
         super().__init__(ttl_s, max_entries)
         import redis.asyncio as aioredis  # only when configured
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
 
         self.url = url
         self.prefix = prefix
         self.index = prefix + "index"
-        self.redis = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+        # one timeout per call, no retry of a timeout (the breaker decides when to try again);
+        # a refused or reset connection is retried once at once (a restarted Redis, a stale
+        # pooled connection)
+        self.redis = aioredis.Redis.from_url(
+            url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         self._put = self.redis.register_script(_PUT)
         self._take = self.redis.register_script(_TAKE)
 
@@ -179,7 +197,51 @@ class RedisStore(ConversationStore):
         return f"RedisStore({self.url})"
 
 
-def make_store(url: str, ttl_s: float, max_entries: int) -> ConversationStore:
+class GuardedStore(ConversationStore):
+    """A store behind a `Breaker`: while it is open every call raises `BreakerOpen` at once (the
+    caller runs the turn as a miss); the first call after the period probes the store."""
+
+    def __init__(self, inner: ConversationStore, breaker_period_s: float) -> None:
+        super().__init__(inner.ttl_s, inner.max_entries)
+        self.inner = inner
+        self.breaker = Breaker("the conversation store", breaker_period_s)
+
+    async def _call(self, method, *args) -> Any:
+        self.breaker.check()
+        try:
+            result = await method(*args)
+        except Exception as e:
+            self.breaker.failure(e)
+            raise
+        except BaseException:  # cancelled (the client left): no verdict on the store
+            self.breaker.abandon()
+            raise
+        self.breaker.success()
+        return result
+
+    async def take(self, key: str) -> TakeResult:
+        return await self._call(self.inner.take, key)
+
+    async def put(self, key: str, entry: Entry) -> PutResult:
+        return await self._call(self.inner.put, key, entry)
+
+    async def size(self) -> int:
+        return await self._call(self.inner.size)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def state(self) -> str:
+        return "ok" if self.breaker.healthy else "degraded"
+
+
+def make_store(url: str, ttl_s: float, max_entries: int, timeout_s: float = 0.5,
+               breaker_period_s: float = 5.0) -> ConversationStore:
+    """`memory` (cannot fail) or Redis behind a breaker."""
     if url == "memory":
         return MemoryStore(ttl_s, max_entries)
-    return RedisStore(url, ttl_s, max_entries)
+    return GuardedStore(RedisStore(url, ttl_s, max_entries, timeout_s=timeout_s),
+                        breaker_period_s)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -35,6 +34,7 @@ from duplexkv.server.errors import (
 from duplexkv.server.body import DEFAULT_MAX_REQUEST_BYTES, read_body
 from duplexkv.server.metrics import ServerMetrics
 from duplexkv.server.protocol import GenerateRequest, Kind, parse_json, parse_request
+from duplexkv.server.request_id import clean_request_id
 from duplexkv.server.responses import DONE, Formatter, cached_tokens, sse
 from duplexkv.server.sse import SSEResponse
 
@@ -95,16 +95,6 @@ def _tokenize(engine: LLMEngine, req: GenerateRequest) -> list[int]:
         raise bad_request(f"could not {what}: {e}", field) from None
 
 
-_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._:@/+=-]+")
-MAX_REQUEST_ID_CHARS = 128
-
-
-def sanitize_request_id(header: str | None) -> str:
-    """A client's X-Request-Id reduced to a safe charset and length ("" if nothing is left);
-    it is echoed in a response header and written to logs."""
-    return _UNSAFE_ID_CHARS.sub("-", header or "")[:MAX_REQUEST_ID_CHARS].strip("-")
-
-
 class RequestIds:
     """Engine request ids: the client's X-Request-Id when given (suffixed if in flight)."""
 
@@ -113,7 +103,7 @@ class RequestIds:
 
     def claim(self, header: str | None, kind: Kind) -> tuple[str, str]:
         """-> (engine request id, response id)."""
-        base = sanitize_request_id(header)
+        base = clean_request_id(header) or ""
         rid = base or f"{PREFIX[kind]}-{uuid.uuid4().hex}"
         while rid in self.in_flight:
             rid = f"{base}-{uuid.uuid4().hex[:8]}"
