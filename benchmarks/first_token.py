@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from reuse import MISS, p_leg  # benchmarks/reuse.py, beside this script
 
 from duplexkv.launch import bidirectional_kv, spawn, wait_ready, worker_args

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from duplexkv.launch import Cluster, ClusterSpec, LaunchError
 from duplexkv.kv.config import CONNECTORS
+from duplexkv.launch import Cluster, ClusterSpec, LaunchError
 
 DEFAULT_PORT = 8000
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from workers import MISS, decode_leg, kv_config, prefill_leg, sse_events, start_worker
 
 CONNECTORS = ["TcpConnector", "NixlConnector"]

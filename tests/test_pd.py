@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from workers import decode_leg, kv_config, prefill_leg, sse_events, start_worker
 
 from duplexkv import LLM, SamplingParams
-from workers import decode_leg, kv_config, prefill_leg, sse_events, start_worker
 
 CONNECTORS = ["TcpConnector", "NixlConnector"]
 ARGS = ("--num-kv-blocks", "96", "--max-model-len", "1024")

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from workers import DUPLEXKV, kv_config, start_worker
 
 from duplexkv import LLM, SamplingParams
 from duplexkv.router.backends import BackendPool, HealthChecker
@@ -35,7 +36,6 @@ from duplexkv.router.request import ClientRequest
 from duplexkv.router.store import Entry, MemoryStore, RedisStore, conversation_key
 from duplexkv.router.stream import StreamRelay
 from duplexkv.router.transport import FastTransport
-from workers import DUPLEXKV, kv_config, start_worker
 
 ARGS = ("--num-kv-blocks", "256", "--max-model-len", "1024")
 MODEL = "tiny"

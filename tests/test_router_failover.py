@@ -8,7 +8,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from test_router import ARGS, OUT, SYSTEM, bidi, chat, conv, start_router, user
 from workers import start_worker
 

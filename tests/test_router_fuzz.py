@@ -23,7 +23,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_router import ARGS, MODEL, bidi, start_router
-
 from workers import start_worker
 
 EXAMPLES = int(os.environ.get("DUPLEXKV_FUZZ_EXAMPLES", "1000"))

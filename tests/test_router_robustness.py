@@ -23,10 +23,10 @@ from pathlib import Path
 import httpx
 import pytest
 from test_router import ARGS, MODEL, _free_port, bidi, start_router
+from workers import start_worker
 
 from duplexkv.router.breaker import Breaker, BreakerOpen
 from duplexkv.router.store import GuardedStore, MemoryStore
-from workers import start_worker
 
 STORE_TIMEOUT_S = 1.0  # well above a normal request's time, even on a loaded machine
 BREAKER_PERIOD_S = 2.5

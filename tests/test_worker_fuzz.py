@@ -15,7 +15,6 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from workers import kv_config, start_worker
 
 EXAMPLES = 1000

@@ -17,7 +17,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence as Seq
+from typing import NamedTuple
+from typing import Sequence as Seq
 
 from duplexkv.engine.sequence import Sequence
 

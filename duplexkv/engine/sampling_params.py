@@ -18,6 +18,7 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 MAX_STOP = 64  # stop strings / stop token ids per request
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_ID = 2**31 - 1
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass(slots=True)
@@ -75,7 +76,8 @@ class SamplingParams:
         number("min_p", 0.0, 1.0)
         number("presence_penalty", -2.0, 2.0)
         number("frequency_penalty", -2.0, 2.0)
-        number("repetition_penalty", 0.0, 2.0, lo_open=True)
+        # below ~0.01 dividing positive logits by it overflows float32 after temperature
+        number("repetition_penalty", MIN_REPETITION_PENALTY, 2.0)
         if self.seed is not None and (not is_int(self.seed)
                                       or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             bad("seed", f"must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")

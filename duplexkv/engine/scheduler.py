@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from duplexkv.engine.block_manager import BlockManager
-from duplexkv.engine.sequence import Sequence, SeqStatus
+from duplexkv.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(slots=True)

@@ -25,22 +25,17 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from duplexkv.http.body import read_body
+from duplexkv.http.errors import APIError, internal_error, model_not_found
+from duplexkv.http.limits import HeaderLimit
 from duplexkv.router.backends import BackendPool, HealthChecker
 from duplexkv.router.config import RouterConfig
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.proxy import Proxy, Relayed
-from duplexkv.router.request import (
-    ENDPOINTS,
-    Kind,
-    headers_too_large,
-    parse_client_request,
-    request_too_large,
-)
+from duplexkv.router.request import ENDPOINTS, Kind, parse_client_request
 from duplexkv.router.store import ConversationStore, make_store
 from duplexkv.router.upstream import Upstream
-from duplexkv.server.errors import APIError, internal_error, model_not_found
 
 log = logging.getLogger("duplexkv.router")
 
@@ -150,31 +145,3 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
     return app
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or a 413 as soon as it is known to exceed `limit` bytes (from Content-Length,
-    or while reading a chunked one)."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise request_too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise request_too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-class HeaderLimit:
-    """ASGI middleware: a 431 in OpenAI's shape when the request's headers, all together, exceed
-    `max_bytes` (the HTTP server itself refuses only far larger ones)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and sum(
-                len(k) + len(v) + 4 for k, v in scope["headers"]) > self.max_bytes:
-            await headers_too_large(self.max_bytes).response()(scope, receive, send)
-            return
-        await self.app(scope, receive, send)

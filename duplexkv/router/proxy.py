@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import httpx
 from starlette.responses import Response
 
+from duplexkv.http.errors import APIError
+from duplexkv.http.sse import SSEResponse
 from duplexkv.router.backends import Backend, BackendPool
 from duplexkv.router.config import RouterConfig
 from duplexkv.router.conversations import Conversations
@@ -37,8 +39,6 @@ from duplexkv.router.request import ClientRequest
 from duplexkv.router.store import ConversationStore, Entry
 from duplexkv.router.stream import StreamRelay
 from duplexkv.router.upstream import Upstream
-from duplexkv.server.errors import APIError
-from duplexkv.server.sse import SSEResponse
 
 log = logging.getLogger("duplexkv.router")
 perf = time.perf_counter

@@ -79,8 +79,8 @@ def run_router(args: argparse.Namespace) -> int:
     cfg = router_config(args)
     import uvicorn
 
+    from duplexkv.http.uvicorn_server import CleanExitServer as Server
     from duplexkv.router.app import build_app
-    from duplexkv.server.uvicorn_server import CleanExitServer as Server
 
     app = build_app(cfg)
     # the app answers headers over cfg.max_header_bytes with a 431 in OpenAI's shape; h11 refuses

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from duplexkv.engine.async_engine import AsyncEngine
-from duplexkv.server.errors import APIError, bad_request, engine_unavailable, internal_error
+from duplexkv.http.errors import APIError, bad_request, engine_unavailable, internal_error
 from duplexkv.server.metrics import EngineSnapshot, ServerMetrics
 from duplexkv.server.serving import OpenAIServing
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from duplexkv.engine.llm_engine import RequestOutput
-from duplexkv.server.protocol import Kind
+from duplexkv.http.openai import Kind
 
 DONE = "data: [DONE]\n\n"
 

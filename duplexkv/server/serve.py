@@ -82,9 +82,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from duplexkv.engine.async_engine import AsyncEngine
     from duplexkv.engine.llm_engine import LLMEngine
+    from duplexkv.http.uvicorn_server import CleanExitServer as Server
     from duplexkv.server.app import build_app
     from duplexkv.server.kv_hook import attach_kv_transfer
-    from duplexkv.server.uvicorn_server import CleanExitServer as Server
 
     engine = LLMEngine(config)
     aeng = AsyncEngine(engine)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -22,21 +23,22 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from duplexkv.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
+from duplexkv.engine.kv_transfer import KVParamsError, KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine, RequestOutput, RequestRejected
 from duplexkv.engine.sampling_params import SamplingParams
-from duplexkv.server.errors import (
+from duplexkv.http.body import DEFAULT_MAX_REQUEST_BYTES, parse_json, read_body
+from duplexkv.http.errors import (
     APIError,
     bad_request,
     engine_unavailable,
     internal_error,
     model_not_found,
 )
-from duplexkv.server.body import DEFAULT_MAX_REQUEST_BYTES, read_body
+from duplexkv.http.openai import GenerateRequest, Kind, parse_request
+from duplexkv.http.request_id import clean_request_id
+from duplexkv.http.sse import SSEResponse
 from duplexkv.server.metrics import ServerMetrics
-from duplexkv.server.protocol import GenerateRequest, Kind, parse_json, parse_request
-from duplexkv.server.request_id import clean_request_id
 from duplexkv.server.responses import DONE, Formatter, cached_tokens, sse
-from duplexkv.server.sse import SSEResponse
 
 log = logging.getLogger("duplexkv.server")
 T = TypeVar("T")
@@ -54,6 +56,7 @@ class Prepared:
     req: GenerateRequest
     prompt_ids: list[int]
     params: SamplingParams
+    kv_params: KVTransferParams | None
 
 
 @dataclass(slots=True)
@@ -74,12 +77,21 @@ def prepare(engine: LLMEngine, served_model_name: str, body: dict, kind: Kind) -
     # default max_tokens: the rest of the context, as vLLM does (bounded by the KV pool)
     limit = min(engine.max_model_len, engine.bm.num_blocks * engine.config.block_size)
     max_tokens = req.max_tokens if req.max_tokens is not None else max(1, limit - len(ids))
-    params = req.sampling_params(max_tokens)
+    try:
+        params = SamplingParams(**req.sampling_kwargs(max_tokens))
+    except ValueError as e:
+        m = re.search(r"parameter (\w+)=", str(e))
+        raise bad_request(str(e), m.group(1) if m else None) from None
+    try:
+        kv = None if req.kv_transfer_params is None else \
+            KVTransferParams.from_dict(req.kv_transfer_params)
+    except KVParamsError as e:
+        raise bad_request(str(e), "kv_transfer_params") from None
     try:
         engine.check_request(len(ids), params)
     except RequestRejected as e:
         raise bad_request(str(e), e.param) from None
-    return Prepared(req, ids, params)
+    return Prepared(req, ids, params, kv)
 
 
 def _tokenize(engine: LLMEngine, req: GenerateRequest) -> list[int]:
@@ -176,7 +188,7 @@ class OpenAIServing:
                  len(prep.prompt_ids), prep.params.max_tokens, prep.req.stream,
                  prep.req.kv_transfer_params is not None)
         gen = self.aeng.generate(rid, prep.prompt_ids, prep.params,
-                                 kv_params=prep.req.kv_transfer_params)
+                                 kv_params=prep.kv_params)
         try:
             if prep.req.stream:
                 first = await unless_disconnected(request, self._next(gen, ctx))

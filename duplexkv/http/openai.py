@@ -1,20 +1,17 @@
 """OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) -> a typed `GenerateRequest`.
 
 Validation is ours, not pydantic's, so every mistake becomes a 400 that names the field. Unknown
-fields (`user`, `conversation_id`, `session_id`, ...) are ignored, as vLLM does.
+fields (`user`, `conversation_id`, `session_id`, ...) are ignored, as vLLM does. The worker and the
+router both validate with this module; the worker then turns the request into the engine's
+`SamplingParams` (value ranges) and `KVTransferParams`.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from duplexkv.engine.kv_transfer import KVParamsError, KVTransferParams
-from duplexkv.engine.sampling_params import SamplingParams
-from duplexkv.server.body import MAX_DEPTH, check_json_value
-from duplexkv.server.errors import bad_request
+from duplexkv.http.errors import bad_request
 
 Kind = Literal["completion", "chat"]
 ROLES = ("system", "user", "assistant", "tool", "developer")  # developer is sent as system
@@ -45,36 +42,17 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False  # vLLM extension: token ids on each choice
-    kv_transfer_params: KVTransferParams | None = None
+    kv_transfer_params: dict | None = None  # typed by the worker (KVTransferParams)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Engine settings; a ValueError from the engine becomes a 400 naming the field."""
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
-                frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
-                seed=self.seed, stop=list(self.stop),
-                stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                min_tokens=self.min_tokens)
-        except ValueError as e:
-            m = re.search(r"parameter (\w+)=", str(e))
-            raise bad_request(str(e), m.group(1) if m else None) from None
-
-
-def parse_json(raw: bytes) -> dict:
-    """A JSON object, checked for depth and valid Unicode (`body.check_json_value`)."""
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad_request(f"The request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise bad_request(f"The request body is nested deeper than {MAX_DEPTH} levels.") from None
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object.")
-    check_json_value(body)
-    return body
+    def sampling_kwargs(self, max_tokens: int) -> dict[str, Any]:
+        """The engine's SamplingParams fields (the engine checks their ranges)."""
+        return dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
+                    seed=self.seed, stop=list(self.stop),
+                    stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                    min_tokens=self.min_tokens)
 
 
 class _Fields:
@@ -134,10 +112,6 @@ def parse_request(body: dict, kind: Kind) -> GenerateRequest:
     options = f.get("stream_options", (dict,), "an object", {})
     include_usage = _Fields(options).get("include_usage", (bool,), "a boolean", False)
     kv = f.get("kv_transfer_params", (dict,), "an object or null")
-    try:
-        kv_params = KVTransferParams.from_dict(kv) if kv is not None else None
-    except KVParamsError as e:
-        raise bad_request(str(e), "kv_transfer_params") from None
     common: dict[str, Any] = {
         "kind": kind, "model": model, "max_tokens": max_tokens,
         "temperature": f.number("temperature", 1.0), "top_p": f.number("top_p", 1.0),
@@ -150,7 +124,7 @@ def parse_request(body: dict, kind: Kind) -> GenerateRequest:
         "stop_token_ids": _int_list(body.get("stop_token_ids"), "stop_token_ids"),
         "ignore_eos": f.boolean("ignore_eos"), "min_tokens": f.integer("min_tokens", 0),
         "stream": stream, "include_usage": bool(stream and include_usage),
-        "return_token_ids": f.boolean("return_token_ids"), "kv_transfer_params": kv_params}
+        "return_token_ids": f.boolean("return_token_ids"), "kv_transfer_params": kv}
     if kind == "completion":
         if "prompt" not in body or body["prompt"] is None:
             raise bad_request("`prompt` is required", "prompt")
@@ -267,4 +241,4 @@ def _content(v: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-__all__ = ["GenerateRequest", "Kind", "parse_json", "parse_request"]
+__all__ = ["GenerateRequest", "Kind", "parse_request"]
