@@ -10,15 +10,20 @@ reader READs remote block ids into its own block ids, then the holder receives a
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 
+from duplexkv.kv.transport import meta
+
 DEFAULT_TIMEOUT_S = 10.0
 NIXL_INSTALL_HINT = "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
+log = logging.getLogger(__name__)
 
 
 class XferState(enum.Enum):
@@ -141,35 +146,71 @@ def runs(ids: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-class KVTransport(ABC):
+ConnT = TypeVar("ConnT")
+
+
+@dataclass(slots=True)
+class Peer(Generic[ConnT]):
+    """One connected peer: the metadata it was connected with and the transport's own state."""
+
+    metadata: bytes
+    header: dict
+    conn: ConnT  # NIXL: prepared remote descriptors; TCP: the PeerLink
+
+
+class KVTransport(ABC, Generic[ConnT]):
     """Moves whole KV blocks between workers by one-sided READs, with completion notifications.
 
     Threading: call every method from one thread (the worker's loop). Implementations may use
     internal threads; they never call back into the caller. Nothing here blocks for long: `read`
     returns at once (NIXL over CMA may copy inside `read`/`poll`, on the caller's thread; there is
     no DMA engine on a CPU), `poll` and `get_notifs` never wait.
+
+    The public methods below keep the bookkeeping every transport shares (the registered pool,
+    the peer table, block-id checks, handles and their deadlines, counters, the `health()`
+    shape) and call the `_..._impl` hooks for what a transport does differently. Handles are
+    finished (`_complete`) only on the caller's thread, so the counters need no lock.
     """
 
     engine_id: str
+    #: `poll` calls `_poll_overdue` once a read is still PENDING this long after its deadline
+    overdue_grace_s: float = 0.0
+
+    def __init__(self, engine_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.engine_id = engine_id
+        self.timeout_s = float(timeout_s)
+        self.stats = TransferStats()
+        self.warnings: list[str] = []
+        self.layout: PoolLayout | None = None
+        self._pool: torch.Tensor | None = None
+        self._peers: dict[str, Peer[ConnT]] = {}
+        self._closed = False
 
     @property
     @abstractmethod
     def name(self) -> str:
         """Short transport name: "nixl" or "tcp"."""
 
-    @abstractmethod
     def register(self, pool: torch.Tensor) -> None:
         """Register this worker's KV pool. Call exactly once, before `metadata`.
 
         `pool` is a contiguous CPU tensor whose first dimension is the block index (any dtype);
         the transport keeps a reference and reads/writes its memory in place for its lifetime.
         """
+        if self.layout is not None:
+            raise RuntimeError("register() may be called only once")
+        layout = PoolLayout.of(pool)
+        self._register_impl(pool, layout)
+        self.layout, self._pool = layout, pool
 
-    @abstractmethod
     def metadata(self) -> bytes:
         """Everything a peer needs to `connect` to us (opaque; carried by the side channel)."""
+        layout = self._need_registered()
+        header, blob = self._metadata_impl(layout)
+        return meta.pack({"kind": self.name, "engine_id": self.engine_id,
+                          "num_blocks": layout.num_blocks, "block_bytes": layout.block_bytes,
+                          **header, **meta.host_identity()}, blob)
 
-    @abstractmethod
     def connect(self, peer: str, peer_metadata: bytes) -> None:
         """Prepare to read from `peer` (the remote engine id) using its `metadata()`.
 
@@ -177,8 +218,16 @@ class KVTransport(ABC):
         known peer (it restarted) replaces the old connection. Raises ValueError if the
         metadata is not for `peer` or its block size differs from ours.
         """
+        layout = self._need_registered()
+        md = bytes(peer_metadata)
+        old = self._peers.get(peer)
+        if old is not None and old.metadata == md:
+            return
+        header, blob = meta.unpack(md)
+        meta.check_peer(header, self.name, peer, layout.block_bytes)
+        self.disconnect(peer)
+        self._peers[peer] = Peer(md, header, self._connect_impl(peer, header, blob, layout))
 
-    @abstractmethod
     def read(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
              notif: bytes) -> XferHandle:
         """Start READing remote blocks into local blocks; return at once.
@@ -189,8 +238,20 @@ class KVTransport(ABC):
         length, an id is out of range, or local ids repeat; RuntimeError if `peer` is not
         connected. An empty read moves nothing, still notifies, and is DONE at once.
         """
+        layout = self._need_registered()
+        p = self._peer(peer)
+        loc, rem = check_block_ids(local_block_ids, remote_block_ids, layout.num_blocks,
+                                   int(p.header["num_blocks"]))
+        now = time.monotonic()
+        h = XferHandle(peer, loc, rem, len(loc) * layout.block_bytes, now + self.timeout_s, now)
+        self.stats.reads += 1
+        if not loc:
+            self.send_notif(peer, notif)
+            self._complete(h, XferState.DONE)
+        else:
+            self._start_read(h, p.conn, bytes(notif))
+        return h
 
-    @abstractmethod
     def poll(self, handle: XferHandle) -> XferState:
         """PENDING, DONE or FAILED (then `handle.error` says why). Never blocks.
 
@@ -198,12 +259,18 @@ class KVTransport(ABC):
         peer never hangs the caller). Once FAILED is returned, no more data is written into the
         local blocks unless `handle.error` says cancelling failed.
         """
+        if handle.state is not XferState.PENDING:
+            return handle.state
+        self._poll_impl(handle)
+        if (handle.state is XferState.PENDING
+                and time.monotonic() > handle.deadline + self.overdue_grace_s):
+            self._poll_overdue(handle)
+        return handle.state
 
-    @abstractmethod
     def release(self, handle: XferHandle) -> None:
         """Free the handle's resources. Releasing a PENDING read cancels it (best effort)."""
+        self._release_impl(handle)
 
-    @abstractmethod
     def send_notif(self, peer: str, msg: bytes) -> None:
         """Send `msg` to a connected peer without moving data (e.g. the reader declined).
 
@@ -211,19 +278,120 @@ class KVTransport(ABC):
         failure is logged and counted in `health()`, not raised (it has nothing left to free).
         RuntimeError if `peer` is not connected.
         """
+        p = self._peer(peer)
+        self.stats.notifs_sent += 1
+        self._send_notif_impl(peer, p.conn, bytes(msg))
 
-    @abstractmethod
     def get_notifs(self) -> list[tuple[str, bytes]]:
         """Notifications received since the last call, as (sender engine id, msg). Never blocks."""
+        out = self._get_notifs_impl()
+        self.stats.notifs_received += len(out)
+        return out
 
-    @abstractmethod
     def disconnect(self, peer: str) -> None:
         """Forget `peer`; unknown peers are ignored. Reads in flight to it fail."""
+        p = self._peers.pop(peer, None)
+        if p is not None:
+            self._disconnect_impl(peer, p.conn)
 
-    @abstractmethod
     def close(self) -> None:
         """Disconnect everything, stop threads, unregister the pool. Idempotent."""
+        if self._closed:
+            return
+        for peer in list(self._peers):
+            self.disconnect(peer)
+        self._close_impl()
+        self._closed = True
 
-    @abstractmethod
     def health(self) -> dict:
         """JSON-serialisable state: transport details, counters, `warnings` (list of str)."""
+        return {
+            "transport": self.name, "engine_id": self.engine_id, "closed": self._closed,
+            "timeout_s": self.timeout_s, **self._health_impl(),
+            "peers": {name: self._peer_health(p) for name, p in self._peers.items()},
+            **self.stats.as_dict(), "warnings": self.warnings + self._live_warnings(),
+        }
+
+    # Shared helpers for the implementations.
+
+    def _need_registered(self) -> PoolLayout:
+        if self.layout is None or self._closed:
+            raise RuntimeError("the transport is closed or has no registered pool")
+        return self.layout
+
+    def _peer(self, peer: str) -> Peer[ConnT]:
+        self._need_registered()
+        p = self._peers.get(peer)
+        if p is None:
+            raise RuntimeError(f"not connected to peer {peer!r}; call connect() first")
+        return p
+
+    def _complete(self, h: XferHandle, state: XferState, error: str | None = None) -> None:
+        """Mark a PENDING handle DONE or FAILED and count it (once); caller's thread only."""
+        if h.state is XferState.PENDING:
+            h._finish(state, error)
+            self.stats.finished(h)
+
+    def _warn(self, msg: str) -> None:
+        """A lasting warning for `health()`, logged once."""
+        if msg not in self.warnings:
+            self.warnings.append(msg)
+            log.warning("%s", msg)
+
+    # What each transport does its own way.
+
+    @abstractmethod
+    def _register_impl(self, pool: torch.Tensor, layout: PoolLayout) -> None:
+        """Make the pool readable by peers (called once, before `layout` is set)."""
+
+    @abstractmethod
+    def _metadata_impl(self, layout: PoolLayout) -> tuple[dict, bytes]:
+        """Transport-specific header fields and opaque blob for `metadata()`."""
+
+    @abstractmethod
+    def _connect_impl(self, peer: str, header: dict, blob: bytes, layout: PoolLayout) -> ConnT:
+        """Connect to a peer whose metadata passed the common checks (any old one is gone)."""
+
+    @abstractmethod
+    def _start_read(self, h: XferHandle, conn: ConnT, notif: bytes) -> None:
+        """Start a non-empty READ; `_complete` it now if it finished or could not start."""
+
+    @abstractmethod
+    def _poll_impl(self, h: XferHandle) -> None:
+        """Look at a PENDING read once and `_complete` it if it finished. Never blocks."""
+
+    @abstractmethod
+    def _poll_overdue(self, h: XferHandle) -> None:
+        """The read is still PENDING `overdue_grace_s` after its deadline: cancel or fail it."""
+
+    @abstractmethod
+    def _release_impl(self, h: XferHandle) -> None:
+        """Free `h.impl`; cancel the read if it is still PENDING."""
+
+    @abstractmethod
+    def _send_notif_impl(self, peer: str, conn: ConnT, msg: bytes) -> None:
+        """Queue a notification to a connected peer; log (never raise) if it is gone."""
+
+    @abstractmethod
+    def _get_notifs_impl(self) -> list[tuple[str, bytes]]:
+        """Notifications received since the last call."""
+
+    @abstractmethod
+    def _disconnect_impl(self, peer: str, conn: ConnT) -> None:
+        """Tear down a peer already removed from the peer table; its reads in flight fail."""
+
+    @abstractmethod
+    def _close_impl(self) -> None:
+        """After every peer is disconnected: stop threads, unregister the pool."""
+
+    @abstractmethod
+    def _health_impl(self) -> dict:
+        """Transport details for `health()`, between the common fields and `peers`."""
+
+    @abstractmethod
+    def _peer_health(self, p: Peer[ConnT]) -> dict:
+        """One peer's entry in `health()["peers"]`."""
+
+    def _live_warnings(self) -> list[str]:
+        """Warnings computed at `health()` time, after the lasting ones (`_warn`)."""
+        return []

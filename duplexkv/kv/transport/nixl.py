@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,11 +27,10 @@ from duplexkv.kv.transport import cma, meta
 from duplexkv.kv.transport.base import (
     DEFAULT_TIMEOUT_S,
     KVTransport,
+    Peer,
     PoolLayout,
-    TransferStats,
     XferHandle,
     XferState,
-    check_block_ids,
 )
 from duplexkv.kv.transport.nixl_agent import dlist, make_agent, nixl_errors
 
@@ -42,15 +40,13 @@ UCX_ENV = ("UCX_TLS", "UCX_NET_DEVICES", "UCX_USE_MT_MUTEX", "UCX_CMA_TX_QUOTA",
 
 
 @dataclass(slots=True)
-class _Peer:
-    metadata: bytes
-    header: dict
+class _Remote:
     remote_dlist: object  # nixl_prepped_dlist_handle
     data_path: str  # "cma", "tcp (slow, no CMA)", "network", "unknown"
     cma_error: str | None
 
 
-class NixlTransport(KVTransport):
+class NixlTransport(KVTransport[_Remote]):
     """`host` is accepted for interface symmetry and unused: UCX picks interfaces itself
     (restrict them with UCX_NET_DEVICES, e.g. `lo` in a sandbox). `progress_thread_ms`: poll
     timeout of NIXL's event-driven progress thread, None = no thread (see nixl_agent.py).
@@ -59,12 +55,9 @@ class NixlTransport(KVTransport):
     def __init__(self, engine_id: str, timeout_s: float = DEFAULT_TIMEOUT_S,
                  host: str | None = None, backends: Sequence[str] = ("UCX",),
                  progress_thread_ms: float | None = 5.0, num_threads: int = 0) -> None:
-        self.engine_id = engine_id
-        self.timeout_s = float(timeout_s)
-        self.stats = TransferStats()
+        super().__init__(engine_id, timeout_s)
         self._errors = nixl_errors()
         self.cma_ok, self.cma_reason = cma.ucx_cma_status()
-        self.warnings: list[str] = []
         self.notif_errors = 0
         if not self.cma_ok:
             self._warn(f"UCX cannot use CMA ({self.cma_reason}): same-host KV reads will go over "
@@ -80,58 +73,30 @@ class NixlTransport(KVTransport):
         if not self.agent.backends:
             raise RuntimeError(f"NIXL could not create any of the backends {list(backends)}; "
                                f"available plugins: {self.agent.get_plugin_list()}")
-        self.layout: PoolLayout | None = None
-        self._pool: torch.Tensor | None = None
         self._reg = None
         self._local_dlist = None
-        self._peers: dict[str, _Peer] = {}
         self._pending: set[XferHandle] = set()
         self._zombies: list[object] = []  # NIXL requests that could not be cancelled yet
         self._backlog: list[tuple[str, bytes]] = []  # notifications seen while settling
-        self._closed = False
-
-    def _warn(self, msg: str) -> None:
-        if msg not in self.warnings:
-            self.warnings.append(msg)
-            log.warning("%s", msg)
 
     @property
     def name(self) -> str:
         return "nixl"
 
-    def register(self, pool: torch.Tensor) -> None:
-        if self.layout is not None:
-            raise RuntimeError("register() may be called only once")
-        layout = PoolLayout.of(pool)
+    def _register_impl(self, pool: torch.Tensor, layout: PoolLayout) -> None:
         self._reg = self.agent.register_memory([(layout.base_ptr, layout.nbytes, 0, "kv")],
                                                "DRAM")
         self._local_dlist = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", dlist(layout.base_ptr, layout.num_blocks, layout.block_bytes),
             "DRAM")
-        self.layout, self._pool = layout, pool
 
-    def _need_registered(self) -> PoolLayout:
-        if self.layout is None or self._closed:
-            raise RuntimeError("the transport is closed or has no registered pool")
-        return self.layout
+    def _metadata_impl(self, layout: PoolLayout) -> tuple[dict, bytes]:
+        return {"base_ptr": layout.base_ptr}, self.agent.get_agent_metadata()
 
-    def metadata(self) -> bytes:
-        layout = self._need_registered()
-        return meta.pack({"kind": "nixl", "engine_id": self.engine_id,
-                          "num_blocks": layout.num_blocks, "block_bytes": layout.block_bytes,
-                          "base_ptr": layout.base_ptr, **meta.host_identity()},
-                         self.agent.get_agent_metadata())
-
-    def connect(self, peer: str, peer_metadata: bytes) -> None:
-        layout = self._need_registered()
-        old = self._peers.get(peer)
-        if old is not None and old.metadata == bytes(peer_metadata):
-            return
-        header, blob = meta.unpack(peer_metadata)
-        meta.check_peer(header, "nixl", peer, layout.block_bytes)
+    def _connect_impl(self, peer: str, header: dict, blob: bytes,
+                      layout: PoolLayout) -> _Remote:
         if peer == self.engine_id:
             raise ValueError("cannot connect a NIXL agent to itself")
-        self.disconnect(peer)
         name = self.agent.add_remote_agent(blob)
         if isinstance(name, bytes):
             name = name.decode()
@@ -146,7 +111,6 @@ class NixlTransport(KVTransport):
             self.agent.remove_remote_agent(peer)
             raise
         path, err = self._data_path(header)
-        self._peers[peer] = _Peer(bytes(peer_metadata), header, remote, path, err)
         if err is not None:
             self._warn(f"KV reads from {peer} will not use CMA ({err}); UCX falls back to TCP "
                        "(slow). Both workers must run as the same user with ptrace allowed.")
@@ -154,6 +118,7 @@ class NixlTransport(KVTransport):
             self.agent.make_connection(peer)
         except self._errors as e:  # optional optimisation; the first READ connects anyway
             log.debug("make_connection(%s): %s", peer, e)
+        return _Remote(remote, path, err)
 
     def _data_path(self, header: dict) -> tuple[str, str | None]:
         """Which way UCX will move this peer's bytes, checked with the real syscall."""
@@ -168,43 +133,22 @@ class NixlTransport(KVTransport):
             return "tcp (slow: CMA refused)", err
         return "cma", None
 
-    def _peer(self, peer: str) -> _Peer:
-        self._need_registered()
-        p = self._peers.get(peer)
-        if p is None:
-            raise RuntimeError(f"not connected to peer {peer!r}; call connect() first")
-        return p
-
-    def read(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-             notif: bytes) -> XferHandle:
-        layout = self._need_registered()
-        p = self._peer(peer)
-        loc, rem = check_block_ids(local_block_ids, remote_block_ids, layout.num_blocks,
-                                   int(p.header["num_blocks"]))
-        now = time.monotonic()
-        h = XferHandle(peer, loc, rem, len(loc) * layout.block_bytes, now + self.timeout_s, now)
-        self.stats.reads += 1
-        if not loc:
-            self.send_notif(peer, notif)
-            h._finish(XferState.DONE)
-            self.stats.finished(h)
-            return h
+    def _start_read(self, h: XferHandle, conn: _Remote, notif: bytes) -> None:
         try:
             req = self.agent.make_prepped_xfer(
-                "READ", self._local_dlist, np.asarray(loc, dtype=np.int32), p.remote_dlist,
-                np.asarray(rem, dtype=np.int32), notif_msg=bytes(notif))
+                "READ", self._local_dlist, np.asarray(h.local_block_ids, dtype=np.int32),
+                conn.remote_dlist, np.asarray(h.remote_block_ids, dtype=np.int32),
+                notif_msg=notif)
             h.impl = req
             status = self.agent.transfer(req)
         except self._errors as e:  # NIXL raises nixlBackendError & co. for a dead peer
             status = f"ERR ({type(e).__name__}: {e})"
         if status == "DONE":
-            h._finish(XferState.DONE)
-            self.stats.finished(h)
+            self._complete(h, XferState.DONE)
         elif status != "PROC":
-            self._fail(h, f"NIXL READ from {peer!r} could not start: {status}")
+            self._fail(h, f"NIXL READ from {h.peer!r} could not start: {status}")
         else:
             self._pending.add(h)
-        return h
 
     def _fail(self, h: XferHandle, error: str) -> None:
         req, h.impl = h.impl, None
@@ -214,46 +158,39 @@ class NixlTransport(KVTransport):
             except self._errors as e:
                 self._zombies.append(req)
                 error += f" (cancelling failed: {e}; local blocks may still be written)"
-        h._finish(XferState.FAILED, error)
         self._pending.discard(h)
-        self.stats.finished(h)
+        self._complete(h, XferState.FAILED, error)
         self._settle()
 
-    def poll(self, handle: XferHandle) -> XferState:
-        if handle.state is not XferState.PENDING:
-            return handle.state
+    def _poll_impl(self, h: XferHandle) -> None:
         try:
-            status = self.agent.check_xfer_state(handle.impl)
+            status = self.agent.check_xfer_state(h.impl)
         except self._errors as e:
             status = f"ERR ({type(e).__name__}: {e})"
         if status == "DONE":
-            handle._finish(XferState.DONE)
-            self._pending.discard(handle)
-            self.stats.finished(handle)
+            self._pending.discard(h)
+            self._complete(h, XferState.DONE)
         elif status != "PROC":
-            self._fail(handle, f"NIXL READ from {handle.peer!r} failed: {status}")
-        elif time.monotonic() > handle.deadline:
-            self._fail(handle, f"NIXL READ from {handle.peer!r} timed out after "
-                               f"{self.timeout_s:g} s")
+            self._fail(h, f"NIXL READ from {h.peer!r} failed: {status}")
         elif self._threaded:
             os.sched_yield()  # the progress thread completes it: let it have the CPU
-        return handle.state
 
-    def release(self, handle: XferHandle) -> None:
-        if handle.state is XferState.PENDING:
-            self._fail(handle, "released while in flight")
-        req, handle.impl = handle.impl, None
+    def _poll_overdue(self, h: XferHandle) -> None:
+        self._fail(h, f"NIXL READ from {h.peer!r} timed out after {self.timeout_s:g} s")
+
+    def _release_impl(self, h: XferHandle) -> None:
+        if h.state is XferState.PENDING:
+            self._fail(h, "released while in flight")
+        req, h.impl = h.impl, None
         if req is not None:
             try:
                 req.release()
             except self._errors:
                 self._zombies.append(req)
 
-    def send_notif(self, peer: str, msg: bytes) -> None:
-        self._peer(peer)
-        self.stats.notifs_sent += 1
+    def _send_notif_impl(self, peer: str, conn: _Remote, msg: bytes) -> None:
         try:
-            self.agent.send_notif(peer, bytes(msg))
+            self.agent.send_notif(peer, msg)
         except self._errors as e:  # the peer is gone: it has nothing left to free
             self.notif_errors += 1
             log.warning("notification to %s failed: %s: %s", peer, type(e).__name__, e)
@@ -265,14 +202,13 @@ class NixlTransport(KVTransport):
         for name, msgs in self.agent.get_new_notifs().items():
             self._backlog += [(str(name), bytes(m)) for m in msgs]
 
-    def get_notifs(self) -> list[tuple[str, bytes]]:
+    def _get_notifs_impl(self) -> list[tuple[str, bytes]]:
         if self._closed:
             return []
         if self._zombies:
             self._retry_zombies()
         self._settle()
         out, self._backlog = self._backlog, []
-        self.stats.notifs_received += len(out)
         return out
 
     def _retry_zombies(self) -> None:
@@ -284,24 +220,17 @@ class NixlTransport(KVTransport):
                 left.append(req)
         self._zombies = left
 
-    def disconnect(self, peer: str) -> None:
-        p = self._peers.pop(peer, None)
-        if p is None:
-            return
+    def _disconnect_impl(self, peer: str, conn: _Remote) -> None:
         for h in [h for h in self._pending if h.peer == peer]:
             self._fail(h, f"disconnected from {peer!r}")
         self._settle()
         try:
-            p.remote_dlist.release()
+            conn.remote_dlist.release()
             self.agent.remove_remote_agent(peer)
         except self._errors as e:
             log.warning("NIXL disconnect from %s: %s", peer, e)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        for peer in list(self._peers):
-            self.disconnect(peer)
+    def _close_impl(self) -> None:
         self._settle()
         self._retry_zombies()
         try:
@@ -311,18 +240,15 @@ class NixlTransport(KVTransport):
                 self.agent.deregister_memory(self._reg)
         except self._errors as e:
             log.warning("NIXL close: %s", e)
-        self._closed = True
 
-    def health(self) -> dict:
+    def _health_impl(self) -> dict:
         return {
-            "transport": "nixl", "engine_id": self.engine_id, "closed": self._closed,
             "backends": list(self.agent.backends), "progress": self.progress,
-            "timeout_s": self.timeout_s,
             "ucx_env": self.ucx_env, "ucx_cma": {"enabled": self.cma_ok, "why": self.cma_reason},
-            "peers": {name: {"data_path": p.data_path, "cma_error": p.cma_error,
-                             "same_host": meta.same_host(p.header)}
-                      for name, p in self._peers.items()},
             "in_flight": len(self._pending), "uncancelled": len(self._zombies),
             "notif_errors": self.notif_errors,
-            **self.stats.as_dict(), "warnings": list(self.warnings),
         }
+
+    def _peer_health(self, p: Peer[_Remote]) -> dict:
+        return {"data_path": p.conn.data_path, "cma_error": p.conn.cma_error,
+                "same_host": meta.same_host(p.header)}
