@@ -23,7 +23,7 @@ def bidi(connector, **kw):
 @pytest.fixture(scope="module", params=CONNECTORS)
 def cluster(request, tiny_model_dir, tmp_path_factory):
     if request.param == "NixlConnector":
-        pytest.importorskip("nixl", reason="NIXL is not installed (make install adds it)")
+        need_nixl()
     tmp = tmp_path_factory.mktemp(request.param)
     # P without a local prefix cache, as in the reference evaluation: every reused token is pulled
     p = start_worker(tiny_model_dir, tmp / "p.log", *ARGS, "--no-enable-prefix-caching",

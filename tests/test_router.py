@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import shutil
 import socket
@@ -36,7 +35,7 @@ from duplexkv.router.request import ClientRequest
 from duplexkv.router.store import Entry, MemoryStore, RedisStore, conversation_key
 from duplexkv.router.stream import StreamRelay
 from duplexkv.router.transport import FastTransport
-from workers import DUPLEXKV, kv_config, start_worker
+from workers import DUPLEXKV, kv_config, skip_or_fail, start_worker
 
 ARGS = ("--num-kv-blocks", "256", "--max-model-len", "1024")
 MODEL = "tiny"
@@ -579,9 +578,8 @@ def _free_port() -> int:
 def redis_url(tmp):
     exe = shutil.which("redis-server")
     if exe is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is not installed: .ci/run must apt-get install it")
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+        skip_or_fail("redis-server is not installed (apt-get install -y redis-server; "
+                     ".ci/run installs it)")
     import redis
 
     port = _free_port()
