@@ -99,9 +99,10 @@ class Worker:
 
 
 def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = None,
-                 timeout_s: float = 120) -> Worker:
+                 timeout_s: float = 120, dtype: str | None = "float32") -> Worker:
+    """`dtype=None` leaves --dtype out: the worker runs its default (bfloat16)."""
     cmd = [DUPLEXKV, "serve", str(model), "--host", "127.0.0.1", "--port", "0",
-           "--dtype", "float32", *args]
+           *(("--dtype", dtype) if dtype else ()), *args]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
     with open(log, "wb") as fh:
