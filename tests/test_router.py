@@ -155,12 +155,13 @@ def user(t: int) -> dict:
 
 
 def chat(client: openai.OpenAI, messages: list[dict], conv_id: str | None, stream: bool,
-         via_header: bool = False) -> tuple[str, dict]:
-    """One chat turn through the router -> (text, the combined kv_stats)."""
+         via_header: bool | str = False) -> tuple[str, dict]:
+    """One chat turn through the router -> (text, the combined kv_stats). `via_header` names the
+    conversation by header (X-Session-ID, or the header given) instead of the body."""
     body = {"ignore_eos": True}
     headers = {}
     if conv_id is not None and via_header:
-        headers["X-Session-ID"] = conv_id
+        headers[via_header if isinstance(via_header, str) else "X-Session-ID"] = conv_id
     elif conv_id is not None:
         body["conversation_id"] = conv_id
     kw = {"model": MODEL, "messages": messages, "max_tokens": OUT, "temperature": 0,
@@ -260,8 +261,8 @@ def test_tenants_cannot_use_each_others_conversations(router, oracle):
     text_b, stats_b = chat(b, messages, conv_id, stream=False)
     assert stats_b["conversation"] == "miss" and stats_b["prefill"]["pulled_tokens"] == 0
     assert text_b == oracle(messages)
-    # ... and A's entry is still there for A
-    text_a, stats_a = chat(a, messages, conv_id, stream=True, via_header=True)
+    # ... and A's entry is still there for A (named by the other header this time)
+    text_a, stats_a = chat(a, messages, conv_id, stream=True, via_header="X-Conversation-ID")
     assert stats_a["conversation"] == "hit" and stats_a["prefill"]["pulled_tokens"] > 0
     assert text_a == oracle(messages)
 
@@ -648,7 +649,10 @@ def test_memory_store_single_use_ttl_and_bound():
 
 def test_redis_store_single_use_ttl_and_bound(redis_url):
     async def run():
-        store = RedisStore(redis_url, ttl_s=0.3, max_entries=2, prefix=f"t{uuid.uuid4().hex}:")
+        # a TTL long enough that nothing expires during the puts on a loaded machine; expiry is
+        # then awaited by polling Redis itself
+        prefix = f"t{uuid.uuid4().hex}:"
+        store = RedisStore(redis_url, ttl_s=2.0, max_entries=2, prefix=prefix)
         e = Entry({"remote_engine_id": "d", "remote_block_ids": [[1, 2]]}, "http://d", 1.0)
         try:
             await store.put("a", e)
@@ -659,7 +663,10 @@ def test_redis_store_single_use_ttl_and_bound(redis_url):
                 res = await store.put(k, e)
             assert res.evicted == 1 and (await store.take("b")).entry is None
             assert await store.size() == 2
-            await asyncio.sleep(0.4)
+            deadline = time.monotonic() + 30
+            while await store.redis.exists(prefix + "c", prefix + "d"):
+                assert time.monotonic() < deadline, "Redis never expired the keys"
+                await asyncio.sleep(0.05)
             taken = await store.take("c")
             assert taken.entry is None and taken.expired
             assert (await store.put("e", e)).expired == 1  # d
