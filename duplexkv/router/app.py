@@ -27,7 +27,7 @@ from duplexkv.router.proxy import Proxy, Relayed
 from duplexkv.router.request import ENDPOINTS, Kind, parse_client_request
 from duplexkv.router.store import ConversationStore, make_store
 from duplexkv.router.upstream import Upstream
-from duplexkv.server.errors import APIError, internal_error, model_not_found
+from duplexkv.server.errors import APIError, model_not_found
 
 log = logging.getLogger("duplexkv.router")
 
@@ -127,7 +127,9 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
 
     async def unexpected(_: Request, exc: Exception) -> Response:
         log.exception("unhandled error")
-        return internal_error(exc).response()
+        # the exception's text can hold a worker's address: the client gets its type only
+        return APIError(500, f"internal error ({type(exc).__name__})",
+                        type="internal_server_error").response()
 
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
