@@ -4,7 +4,12 @@ One-pass prefill at 2k/4k/8k/16k tokens (time to the first token, max_tokens=1, 
 off) and the decode step at 8k context, for bfloat16 and float32; prints ours/HF ratios
 (speed-up = HF time / our time: >= 1.0 means we are at least as fast).
 
+Each measurement is taken `--samples` times (default 3) with the order alternating (ours first,
+then HF first, ...) so that neither side always runs on a warmer or cooler machine; the table
+gives the median and the spread (min-max) of each side, and the speed-up of the medians.
+
     .venv/bin/python benchmarks/engine_vs_hf.py [--lengths 2048 4096 8192 16384] [--dtypes ...]
+        [--samples 3]
 """
 
 from __future__ import annotations
@@ -65,6 +70,29 @@ def hf_decode(model, prompt: list[int], steps: int) -> float:
     return statistics.median(times)
 
 
+def measure(samples: int, ours, hf) -> dict:
+    """`samples` runs of each side, alternating which goes first; medians and all samples."""
+    o, h = [], []
+    for i in range(samples):
+        if i % 2 == 0:
+            o.append(ours())
+            h.append(hf())
+        else:
+            h.append(hf())
+            o.append(ours())
+        gc.collect()
+    return {"ours_s": statistics.median(o), "hf_s": statistics.median(h), "ours": o, "hf": h}
+
+
+def _spread(xs: list[float], k: float) -> str:
+    return f"{statistics.median(xs) * k:.3g} ({min(xs) * k:.3g}-{max(xs) * k:.3g})"
+
+
+def describe(r: dict, unit: str, k: float) -> str:
+    return (f"ours {_spread(r['ours'], k)} {unit}  HF {_spread(r['hf'], k)} {unit}  "
+            f"speed-up {r['hf_s'] / r['ours_s']:5.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench")
@@ -72,6 +100,8 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--decode-context", type=int, default=8192)
     ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=3,
+                    help="samples per measurement, order alternating between ours and HF")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     import transformers
@@ -93,26 +123,24 @@ def main() -> None:
         hf_prefill(hf, warm)
         for n in args.lengths:
             prompt = torch.randint(3, vocab, (n,), generator=g).tolist()
-            o, h = ours_prefill(llm, prompt), hf_prefill(hf, prompt)
-            results.append({"dtype": dtype, "what": f"prefill {n}", "ours_s": o, "hf_s": h})
-            print(f"{dtype:9s} prefill {n:6d}: ours {o:7.3f} s  HF {h:7.3f} s  "
-                  f"speed-up {h / o:5.2f}x", flush=True)
-            gc.collect()
+            r = measure(args.samples, lambda: ours_prefill(llm, prompt),
+                        lambda: hf_prefill(hf, prompt))
+            results.append({"dtype": dtype, "what": f"prefill {n}", **r})
+            print(f"{dtype:9s} prefill {n:6d}: {describe(r, 's', 1.0)}", flush=True)
         prompt = torch.randint(3, vocab, (args.decode_context,), generator=g).tolist()
-        o = ours_decode(llm, prompt, args.decode_steps)
-        h = hf_decode(hf, prompt, args.decode_steps)
-        results.append({"dtype": dtype, "what": f"decode step @{args.decode_context}",
-                        "ours_s": o, "hf_s": h})
-        print(f"{dtype:9s} decode @{args.decode_context}: ours {o * 1e3:6.1f} ms  "
-              f"HF {h * 1e3:6.1f} ms  speed-up {h / o:5.2f}x", flush=True)
+        r = measure(args.samples, lambda: ours_decode(llm, prompt, args.decode_steps),
+                    lambda: hf_decode(hf, prompt, args.decode_steps))
+        results.append({"dtype": dtype, "what": f"decode step @{args.decode_context}", **r})
+        print(f"{dtype:9s} decode @{args.decode_context}: {describe(r, 'ms', 1e3)}", flush=True)
         del llm, hf
         gc.collect()
-    print("\n| dtype | measurement | ours | HF transformers | speed-up (HF/ours) |")
+    print(f"\n{args.samples} samples each, order alternating; median (min-max)\n")
+    print("| dtype | measurement | ours | HF transformers (SDPA) | speed-up (HF / ours) |")
     print("|---|---|---|---|---|")
     for r in results:
         unit, k = ("ms", 1e3) if r["what"].startswith("decode") else ("s", 1.0)
-        print(f"| {r['dtype']} | {r['what']} | {r['ours_s'] * k:.3g} {unit} | "
-              f"{r['hf_s'] * k:.3g} {unit} | {r['hf_s'] / r['ours_s']:.2f}x |")
+        print(f"| {r['dtype']} | {r['what']} | {_spread(r['ours'], k)} {unit} | "
+              f"{_spread(r['hf'], k)} {unit} | {r['hf_s'] / r['ours_s']:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

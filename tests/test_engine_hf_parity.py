@@ -1,7 +1,13 @@
-"""The engine against HF transformers on the same weights (float32, greedy)."""
+"""The engine against HF transformers on the same weights (float32, greedy): Qwen3 (the `tiny`
+preset), and Llama and Qwen2 variants of it (no q/k norm; Qwen2 with random non-zero q/k/v
+biases), on short prompts and on a 1.1k-token prompt prefilled in several chunks."""
+
+import json
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from duplexkv import LLM, SamplingParams
 
@@ -10,11 +16,41 @@ transformers = pytest.importorskip("transformers")
 STEPS = 32
 
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    m = transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    return m.eval()
+def variant(tiny_model_dir, out, arch: str):
+    """The tiny Qwen3 model rewritten as a Llama or Qwen2 checkpoint HF loads as such."""
+    if arch == "qwen3":
+        return tiny_model_dir
+    shutil.copytree(tiny_model_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    w = load_file(out / "model.safetensors")
+    w = {k: v for k, v in w.items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
+    if arch == "llama":
+        cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False,
+                   mlp_bias=False)
+        cfg.pop("head_dim")  # hidden_size / num_heads, as in Llama
+    else:
+        cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+        cfg.pop("attention_bias")
+        cfg.pop("head_dim")
+        g = torch.Generator().manual_seed(7)
+        for k in [k for k in w if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]:
+            w[k.replace(".weight", ".bias")] = torch.randn(w[k].shape[0], generator=g) * 0.5
+    save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen2"])
+def model(request, tiny_model_dir, tmp_path_factory):
+    d = variant(tiny_model_dir, tmp_path_factory.mktemp(request.param) / "m", request.param)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        d, dtype=torch.float32, attn_implementation="sdpa").eval()
+    assert type(hf).__name__ == {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                                 "qwen2": "Qwen2ForCausalLM"}[request.param]
+    if request.param == "qwen2":
+        assert hf.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
+    return request.param, d, hf
 
 
 def engine_logits(llm: LLM, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -38,12 +74,16 @@ def engine_logits(llm: LLM, prompt: list[int], steps: int) -> tuple[list[int], l
     return out.token_ids, seen
 
 
-@pytest.mark.parametrize("prompt_len", [5, 16, 53])
-def test_logits_and_tokens_match_transformers(tiny_model_dir, hf_model, prompt_len):
+@pytest.mark.parametrize("prompt_len, chunk", [(5, 4096), (16, 4096), (53, 4096), (1100, 256)])
+def test_logits_and_tokens_match_transformers(model, prompt_len, chunk):
+    """Token ids equal and logits within 1e-4 at every step; the 1100-token prompt is prefilled
+    in five chunks of at most 256 tokens (chunked prefill over a cached prefix)."""
+    arch, d, hf_model = model
     torch.manual_seed(prompt_len)
     vocab = hf_model.config.vocab_size
     prompt = torch.randint(3, vocab, (prompt_len,)).tolist()
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    llm = LLM(str(d), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=chunk)
+    assert llm.engine.model_config.architecture == arch
     tokens, logits = engine_logits(llm, prompt, STEPS)
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False,
@@ -58,7 +98,9 @@ def test_logits_and_tokens_match_transformers(tiny_model_dir, hf_model, prompt_l
     llm.engine.check_integrity()
 
 
-def test_chat_prompt_matches_transformers_template(tiny_model_dir, hf_model):
+def test_chat_prompt_matches_transformers_template(tiny_model_dir):
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "def add(a, b):"}]

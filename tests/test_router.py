@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +21,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from workers import DUPLEXKV, kv_config, start_worker
 
 from duplexkv import LLM, SamplingParams
 from duplexkv.router.backends import BackendPool, HealthChecker
@@ -36,6 +35,7 @@ from duplexkv.router.request import ClientRequest
 from duplexkv.router.store import Entry, MemoryStore, RedisStore, conversation_key
 from duplexkv.router.stream import StreamRelay
 from duplexkv.router.transport import FastTransport
+from workers import DUPLEXKV, kv_config, skip_or_fail, start_worker
 
 ARGS = ("--num-kv-blocks", "256", "--max-model-len", "1024")
 MODEL = "tiny"
@@ -94,6 +94,13 @@ def start_router(log: Path, prefill: list[str], decode: list[str], *args: str) -
     raise TimeoutError(log.read_text())
 
 
+def assert_no_address(body: str, model_dir: Path) -> None:
+    """No worker host:port (every worker here listens on 127.0.0.1) and no model filesystem path
+    in a body the router sends to a client."""
+    assert "127.0.0.1" not in body and "localhost" not in body, body
+    assert str(model_dir) not in body and str(Path(model_dir).resolve()) not in body, body
+
+
 def metric(text: str, name: str, **labels) -> float:
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
     pattern = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else "") + r" (\S+)"
@@ -148,12 +155,13 @@ def user(t: int) -> dict:
 
 
 def chat(client: openai.OpenAI, messages: list[dict], conv_id: str | None, stream: bool,
-         via_header: bool = False) -> tuple[str, dict]:
-    """One chat turn through the router -> (text, the combined kv_stats)."""
+         via_header: bool | str = False) -> tuple[str, dict]:
+    """One chat turn through the router -> (text, the combined kv_stats). `via_header` names the
+    conversation by header (X-Session-ID, or the header given) instead of the body."""
     body = {"ignore_eos": True}
     headers = {}
     if conv_id is not None and via_header:
-        headers["X-Session-ID"] = conv_id
+        headers[via_header if isinstance(via_header, str) else "X-Session-ID"] = conv_id
     elif conv_id is not None:
         body["conversation_id"] = conv_id
     kw = {"model": MODEL, "messages": messages, "max_tokens": OUT, "temperature": 0,
@@ -253,8 +261,8 @@ def test_tenants_cannot_use_each_others_conversations(router, oracle):
     text_b, stats_b = chat(b, messages, conv_id, stream=False)
     assert stats_b["conversation"] == "miss" and stats_b["prefill"]["pulled_tokens"] == 0
     assert text_b == oracle(messages)
-    # ... and A's entry is still there for A
-    text_a, stats_a = chat(a, messages, conv_id, stream=True, via_header=True)
+    # ... and A's entry is still there for A (named by the other header this time)
+    text_a, stats_a = chat(a, messages, conv_id, stream=True, via_header="X-Conversation-ID")
     assert stats_a["conversation"] == "hit" and stats_a["prefill"]["pulled_tokens"] > 0
     assert text_a == oracle(messages)
 
@@ -357,16 +365,30 @@ def test_models_health_and_metrics(router, oracle):
 
 
 def test_client_disconnect_aborts_the_decode_leg(router, workers):
+    """The client reads one event of a 600-token stream and leaves: the router must abort D's leg,
+    so D counts one aborted request and never generates the 600 tokens (unaborted, D finishes
+    them in ~2 s and counts an ok request)."""
     _, d = workers
     body = {"model": MODEL, "prompt": "long story:", "max_tokens": 600, "temperature": 0,
             "ignore_eos": True, "stream": True}
+
+    def counts() -> tuple[float, float, float]:
+        text = d.get("/metrics").text
+        return (metric(text, "duplexkv_requests_total", endpoint="completions", outcome="aborted"),
+                metric(text, "duplexkv_requests_total", endpoint="completions", outcome="ok"),
+                metric(text, "duplexkv_generation_tokens_total"))
+
+    aborted, ok, generated = counts()
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         next(r.iter_lines())
-    deadline = time.monotonic() + 10
-    while d.health()["in_flight_requests"]:
-        assert time.monotonic() < deadline, "D still generates for a client that left"
+    deadline = time.monotonic() + 30
+    while counts()[0] == aborted or d.health()["in_flight_requests"]:
+        assert time.monotonic() < deadline, ("D still generates for a client that left", counts())
         time.sleep(0.05)
+    now = counts()
+    assert now[0] == aborted + 1 and now[1] == ok, now
+    assert now[2] - generated < 600, now
 
 
 def test_workers_killed_mid_conversation(router, workers, tiny_model_dir, tmp, oracle):
@@ -403,7 +425,10 @@ def test_workers_killed_mid_conversation(router, workers, tiny_model_dir, tmp, o
         assert e.value.status_code == 503
         err = e.value.response.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
-        assert err["message"].startswith("No prefill worker could serve the request")
+        assert err["message"].startswith("No prefill worker could serve the request: prefill[0]")
+        assert_no_address(e.value.response.text, tiny_model_dir)
+        assert_no_address(r2.get("/health").text, tiny_model_dir)
+        assert_no_address(r2.get("/metrics").text, tiny_model_dir)
     finally:
         r2.stop()
         p2.stop()
@@ -419,6 +444,130 @@ def test_workers_killed_mid_conversation(router, workers, tiny_model_dir, tmp, o
         r3.stop()
 
 
+class _Answers503:
+    """A worker whose engine has died, as the router sees one: /health still answered OK a moment
+    ago, every generation request now gets 503 (the worker's error shape)."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def _send(self, status: int, body: dict) -> None:
+                raw = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self):  # noqa: N802
+                self._send(200, {"status": "ok"})
+
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                self._send(503, {"error": {"message": "engine failed: RuntimeError('boom')",
+                                           "type": "service_unavailable_error", "param": None,
+                                           "code": 503}})
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_503_when_every_decode_worker_is_down_or_answers_503(workers, tiny_model_dir, tmp,
+                                                              oracle):
+    """Every D down (nothing listens) -> 503 naming decode[i]; a D answering 503 is marked down
+    and the next D serves; when it is the only D, 503. No router body ever names a worker's
+    address or the model's path."""
+    p, d = workers
+    dead = f"http://127.0.0.1:{_free_port()}"
+    stub = _Answers503()
+    messages = [{"role": "system", "content": SYSTEM}, user(12)]
+    body = {"model": MODEL, "messages": messages, "max_tokens": OUT, "temperature": 0,
+            "ignore_eos": True}
+    routers = []
+    try:
+        r = start_router(tmp / "router_d_down.log", [p.url], [dead], "--health-interval", "600")
+        routers.append(r)
+        for stream in (False, True):
+            resp = r.post("/v1/chat/completions", {**body, "stream": stream})
+            assert resp.status_code == 503, resp.text
+            err = resp.json()["error"]
+            assert err["message"].startswith("No decode worker could serve the request: decode[0]")
+            assert err["code"] == "no_worker_available"
+            assert_no_address(resp.text, tiny_model_dir)
+        h = r.get("/health")
+        assert h.status_code == 503 and [b["name"] for b in h.json()["decode"]] == ["decode[0]"]
+        for resp in (h, r.get("/metrics"), r.get("/v1/models")):
+            assert_no_address(resp.text, tiny_model_dir)
+        assert 'worker="decode[0]"' in r.get("/metrics").text
+        # a D that answers 503 is skipped for the next one
+        r = start_router(tmp / "router_d_503.log", [p.url], [stub.url, d.url],
+                         "--health-interval", "600")
+        routers.append(r)
+        resp = r.post("/v1/chat/completions", body)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["message"]["content"] == oracle(messages)
+        assert [b["healthy"] for b in r.get("/health").json()["decode"]] == [False, True]
+        assert r.metric("duplexkv_router_upstream_errors_total", kind="http_5xx",
+                        role="decode") == 1
+        # ... and when it is the only D, the client gets 503 (not the worker's 503 body)
+        r = start_router(tmp / "router_d_503_only.log", [p.url], [stub.url],
+                         "--health-interval", "600")
+        routers.append(r)
+        resp = r.post("/v1/chat/completions", body)
+        assert resp.status_code == 503
+        assert resp.json()["error"]["message"] == (
+            "No decode worker could serve the request: decode[0] answered HTTP 503")
+        # a P that answers 503 is skipped too, and alone it is a 503 naming prefill[0]
+        r = start_router(tmp / "router_p_503.log", [stub.url, p.url], [d.url],
+                         "--health-interval", "600")
+        routers.append(r)
+        resp = r.post("/v1/chat/completions", body)
+        assert resp.status_code == 200, resp.text
+        r = start_router(tmp / "router_p_503_only.log", [stub.url], [d.url],
+                         "--health-interval", "600")
+        routers.append(r)
+        resp = r.post("/v1/chat/completions", body)
+        assert resp.status_code == 503
+        assert resp.json()["error"]["message"] == (
+            "No prefill worker could serve the request: prefill[0] answered HTTP 503")
+        for r in routers:
+            for resp in (r.get("/health"), r.get("/metrics"), r.get("/v1/models")):
+                assert_no_address(resp.text, tiny_model_dir)
+    finally:
+        for r in routers:
+            r.stop()
+        stub.close()
+
+
+def test_live_router_bodies_name_no_worker_address(router, tiny_model_dir):
+    client = router.client()
+    messages = [{"role": "system", "content": SYSTEM}, user(13)]
+    conv_id = conv()
+    r = router.post("/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                              "max_tokens": 4, "conversation_id": conv_id})
+    assert r.status_code == 200
+    assert_no_address(r.text, tiny_model_dir)
+    with httpx.stream("POST", router.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "x", "max_tokens": 4, "stream": True}) as s:
+        assert_no_address(s.read().decode(), tiny_model_dir)
+    models = router.get("/v1/models")
+    assert [m["id"] for m in models.json()["data"]] == [MODEL]
+    for resp in (models, router.get("/health"), router.get("/metrics")):
+        assert_no_address(resp.text, tiny_model_dir)
+    assert [b["name"] for b in router.get("/health").json()["prefill"]] == ["prefill[0]"]
+    assert client.models.list().data[0].id == MODEL
+
+
 # --- Redis: several routers share conversations ---
 def _free_port() -> int:
     with socket.socket() as s:
@@ -430,9 +579,8 @@ def _free_port() -> int:
 def redis_url(tmp):
     exe = shutil.which("redis-server")
     if exe is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is not installed: .ci/run must apt-get install it")
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+        skip_or_fail("redis-server is not installed (apt-get install -y redis-server; "
+                     ".ci/run installs it)")
     import redis
 
     port = _free_port()
@@ -501,7 +649,10 @@ def test_memory_store_single_use_ttl_and_bound():
 
 def test_redis_store_single_use_ttl_and_bound(redis_url):
     async def run():
-        store = RedisStore(redis_url, ttl_s=0.3, max_entries=2, prefix=f"t{uuid.uuid4().hex}:")
+        # a TTL long enough that nothing expires during the puts on a loaded machine; expiry is
+        # then awaited by polling Redis itself
+        prefix = f"t{uuid.uuid4().hex}:"
+        store = RedisStore(redis_url, ttl_s=2.0, max_entries=2, prefix=prefix)
         e = Entry({"remote_engine_id": "d", "remote_block_ids": [[1, 2]]}, "http://d", 1.0)
         try:
             await store.put("a", e)
@@ -512,7 +663,10 @@ def test_redis_store_single_use_ttl_and_bound(redis_url):
                 res = await store.put(k, e)
             assert res.evicted == 1 and (await store.take("b")).entry is None
             assert await store.size() == 2
-            await asyncio.sleep(0.4)
+            deadline = time.monotonic() + 30
+            while await store.redis.exists(prefix + "c", prefix + "d"):
+                assert time.monotonic() < deadline, "Redis never expired the keys"
+                await asyncio.sleep(0.05)
             taken = await store.take("c")
             assert taken.entry is None and taken.expired
             assert (await store.put("e", e)).expired == 1  # d

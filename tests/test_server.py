@@ -198,7 +198,9 @@ def test_openai_client(server, offline):
                                     temperature=0)
     assert out.choices[0].text == ref.text
     assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
-    assert out.model_extra["kv_stats"]["computed_tokens"] >= 0
+    kv = out.model_extra["kv_stats"]
+    assert kv["computed_tokens"] >= 1  # at least the last prompt token is always computed
+    assert kv["computed_tokens"] + kv["local_hit_tokens"] == len(ref.prompt_token_ids)
     ref = offline.chat(CHAT, greedy(8))
     parts, finish = [], None
     for chunk in client.chat.completions.create(model=server.name, messages=CHAT, max_tokens=8,
@@ -229,7 +231,10 @@ def test_request_id_header_and_extra_fields(server):
     assert r.headers["x-request-id"] == "my-req-1" and r.json()["id"] == "cmpl-my-req-1"
 
 
-def test_chat_with_tool_calls_and_reasoning(server):
+def test_chat_with_tool_calls_and_reasoning(server, tiny_model_dir):
+    """Content parts, tool calls, reasoning, tool and developer messages: the prompt the worker
+    renders is, token for token, HF's apply_chat_template of the same messages."""
+    transformers = pytest.importorskip("transformers")
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "Weather in"},
                                      {"type": "text", "text": "Paris?"}]},
@@ -240,8 +245,19 @@ def test_chat_with_tool_calls_and_reasoning(server):
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": "and tomorrow?"},
     ]
-    r = server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 3})
+    r = server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 3,
+                                             "return_token_ids": True})
     assert r.status_code == 200, r.text
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    # the worker normalises two things before rendering: text content parts are joined with
+    # "\n" (as vLLM does for string-content templates) and OpenAI's "developer" role becomes
+    # "system"; everything else reaches the template as the client sent it
+    as_rendered = [{**messages[0], "content": "Weather in\nParis?"}, *messages[1:3],
+                   {"role": "system", "content": "be brief"}, messages[4]]
+    ref = tok.apply_chat_template(as_rendered, add_generation_prompt=True, tokenize=True)
+    ref = list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+    assert r.json()["choices"][0]["prompt_token_ids"] == ref
+    assert r.json()["usage"]["prompt_tokens"] == len(ref)
     assert r.json()["usage"]["completion_tokens"] >= 1
 
 
@@ -329,10 +345,26 @@ def test_stream_disconnect_frees_blocks(server):
 
 
 def test_non_stream_disconnect_frees_blocks(server):
+    """A non-streaming client that closes its connection while its request is generating: the
+    request is aborted and its blocks freed. The socket is closed only once the worker reports
+    the request in flight, so no timing assumption about generation speed is involved."""
+    import socket
+    from urllib.parse import urlsplit
+
     before = _aborted(server)
-    body = {"prompt": "a long story", "max_tokens": 480, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.3))
+    raw = json.dumps({"prompt": "a long story", "max_tokens": 480, "ignore_eos": True}).encode()
+    url = urlsplit(server.url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=10)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                     b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(raw), raw))
+        deadline = time.monotonic() + 30
+        while not health(server)["in_flight_requests"]:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+    finally:
+        sock.close()
     _wait_idle(server)
     assert _aborted(server) == before + 1
     dbg = server.get("/debug/engine").json()
@@ -342,14 +374,21 @@ def test_non_stream_disconnect_frees_blocks(server):
 # metrics
 
 def test_metrics(server):
+    def bad_requests() -> float:
+        return sum(s.value for f in text_string_to_metric_families(server.get("/metrics").text)
+                   for s in f.samples if s.name == "duplexkv_requests_total"
+                   and s.labels == {"endpoint": "completions", "outcome": "bad_request"})
+
+    bad = bad_requests()
+    assert server.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 0}
+                       ).status_code == 400
+    assert bad_requests() == bad + 1
     server.post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 3})
     families = {f.name: f for f in text_string_to_metric_families(server.get("/metrics").text)}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in families.values() for s in f.samples}
     assert samples[("duplexkv_requests_total",
                     (("endpoint", "completions"), ("outcome", "ok")))] >= 1
-    assert samples[("duplexkv_requests_total",
-                    (("endpoint", "completions"), ("outcome", "bad_request")))] >= 0
     assert samples[("duplexkv_prompt_tokens_total", ())] > 0
     assert samples[("duplexkv_generation_tokens_total", ())] >= 3
     assert samples[("duplexkv_time_to_first_token_seconds_count", ())] >= 1
@@ -423,19 +462,32 @@ def test_two_apps_in_one_process(aeng):
     assert r[2].json()["kv"] == "x"
 
 
-def test_dead_engine_gives_503(aeng):
+def test_dead_engine_gives_503(tiny_model_dir):
+    """A whole engine step raises (an injected fault in the model runner, in process): the
+    request in flight, later requests and /health all answer 503 naming the failure."""
     import asyncio
 
+    from duplexkv.config import EngineConfig
+    from duplexkv.engine.async_engine import AsyncEngine
+    from duplexkv.engine.llm_engine import LLMEngine
     from duplexkv.server.app import build_app
 
-    app = build_app(aeng, "m")
-    aeng.dead = "engine failed: RuntimeError('boom')"
+    eng = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32",
+                                             num_kv_blocks=16, max_model_len=128)))
+
+    def broken_run(batch):
+        raise RuntimeError("boom: injected model runner fault")
+
+    eng.engine.runner.run = broken_run
+    eng.start()
     try:
+        app = build_app(eng, "m")
         r = asyncio.run(_asgi_get_post(app, [
             ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
             ("POST", "/v1/chat/completions", {"messages": CHAT}), ("GET", "/health", None)]))
     finally:
-        aeng.dead = None
+        eng.shutdown()
+    assert eng.dead and "boom" in eng.dead
     for resp in r:
-        assert resp.status_code == 503
+        assert resp.status_code == 503, resp.text
         assert "boom" in resp.json()["error"]["message"]

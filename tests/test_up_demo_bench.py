@@ -72,10 +72,24 @@ def no_leftovers():
     assert set(live_children()) - before == set()
 
 
-def test_up_serves_then_stops_cleanly(tiny_model_dir: Path, tmp_path: Path) -> None:
+def worker_environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(kv.decode(errors="replace").split("=", 1) for kv in raw if b"=" in kv)
+
+
+@pytest.mark.parametrize("stop, omp", [(signal.SIGINT, None), (signal.SIGTERM, "ACTIVE")],
+                         ids=["ctrl-c", "sigterm"])
+def test_up_serves_then_stops_cleanly(tiny_model_dir: Path, tmp_path: Path, stop, omp) -> None:
+    """`up` serves, its workers run with OMP_WAIT_POLICY=PASSIVE unless the environment sets it,
+    and Ctrl-C (SIGINT to the terminal's process group) or SIGTERM stops everything."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if omp is not None:
+        env["OMP_WAIT_POLICY"] = omp
+    # its own process group, as in a terminal: Ctrl-C signals the group
     proc = subprocess.Popen([DUPLEXKV, "up", "--model", str(tiny_model_dir), "--port", "0",
                              "--dtype", "float32", "--log-dir", str(tmp_path / "logs")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
     lines: list[str] = []
     try:
         for line in proc.stdout:
@@ -89,6 +103,9 @@ def test_up_serves_then_stops_cleanly(tiny_model_dir: Path, tmp_path: Path) -> N
         assert sorted(name for name, _, _ in procs) == ["decode-0", "prefill-0", "router"]
         assert "curl " + router in out and "OpenAI(base_url=" in out
         assert (tmp_path / "logs" / "prefill-0.log").is_file()
+        for name, _, pid in procs:
+            if name != "router":
+                assert worker_environ(int(pid)).get("OMP_WAIT_POLICY") == (omp or "PASSIVE")
 
         body = {"model": tiny_model_dir.name, "max_tokens": 4, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "print('hello world') " * 40}]}
@@ -103,7 +120,10 @@ def test_up_serves_then_stops_cleanly(tiny_model_dir: Path, tmp_path: Path) -> N
         assert stats["conversation"] == "hit", stats
         assert stats["prefill"]["local_hit_tokens"] + stats["prefill"]["pulled_tokens"] > 300
 
-        proc.send_signal(signal.SIGTERM)
+        if stop == signal.SIGINT:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(stop)
         rest = proc.communicate(timeout=40)[0]
         assert proc.returncode == 0, rest
         assert "stopped" in rest
@@ -161,7 +181,13 @@ def test_bench_multiturn_end_to_end(tiny_model_dir: Path, tmp_path: Path, capsys
                for r in reqs if r["mode"] == "off")
     ideal = [r for r in reqs if r["mode"] == "ideal" and r["turn"] >= 2]
     assert all(r["local_hit_tokens"] > 0 for r in ideal)
-    assert doc["summary"]["by_bucket"][0]["speedup_on_off"] > 0
+    for row in doc["summary"]["by_bucket"]:  # the ratio is off's p50 over on's, from the requests
+        for m in ("off", "on"):
+            ttfts = [r["ttft_ms"] for r in reqs
+                     if r["mode"] == m and bucket_of(r["context_tokens"]) == row["bucket"]]
+            assert min(ttfts) <= row[m]["ttft_p50"] <= max(ttfts), (m, row)
+        assert row["speedup_on_off"] == pytest.approx(
+            row["off"]["ttft_p50"] / row["on"]["ttft_p50"], rel=1e-3)
     assert (out / "ttft_vs_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| context |" in (out / "results.md").read_text()
 
@@ -175,6 +201,13 @@ def test_demo_end_to_end(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
                 "tokens pulled from D", "tokens recomputed"):
         assert col in printed
     assert re.search(r"reuse cut the time to first token from [\d.]+ s to [\d.]+ s", printed)
+    # the per-turn table: turn 1 pulls nothing, every later turn pulls D's history
+    rows = [[c.strip() for c in line.strip("│ ").split("│")] for line in printed.splitlines()
+            if re.match(r"^│\s+\d+\s+│", line)]
+    assert len(rows) >= 3, printed
+    pulled = {int(r[0]): int(r[5].replace(",", "")) for r in rows}
+    assert pulled[1] == 0 and all(pulled[t] > 0 for t in pulled if t >= 2), pulled
+    assert int(re.search(r"P pulled ([\d,]+) tokens", printed).group(1).replace(",", "")) > 0
 
 
 def test_bench_unreachable_router(tiny_model_dir: Path, capsys) -> None:

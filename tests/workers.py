@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -12,12 +13,48 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 
 from duplexkv.launch import worker_env
 
 DUPLEXKV = str(Path(sys.executable).parent / "duplexkv")
 MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def skip_or_fail(reason: str) -> None:
+    """Skip on a developer machine; fail under CI (CI=1, set by .ci/run), where a missing
+    dependency must not turn half of a test module into green skips."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI is set: required in CI)")
+    pytest.skip(reason)
+
+
+def need_nixl() -> None:
+    try:
+        import nixl  # noqa: F401
+    except ImportError:
+        skip_or_fail("NIXL is not installed (make install adds it)")
+
+
+def wait_for(cond, timeout_s: float = 30.0, what: str = "condition", interval_s: float = 0.05):
+    """Poll `cond()` until it returns a truthy value; fail with `what` after `timeout_s` (generous:
+    the suite runs on a loaded 2-core machine)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(interval_s)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass
@@ -62,9 +99,10 @@ class Worker:
 
 
 def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = None,
-                 timeout_s: float = 120) -> Worker:
+                 timeout_s: float = 120, dtype: str | None = "float32") -> Worker:
+    """`dtype=None` leaves --dtype out: the worker runs its default (bfloat16)."""
     cmd = [DUPLEXKV, "serve", str(model), "--host", "127.0.0.1", "--port", "0",
-           "--dtype", "float32", *args]
+           *(("--dtype", dtype) if dtype else ()), *args]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
     with open(log, "wb") as fh:

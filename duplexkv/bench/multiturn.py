@@ -67,6 +67,7 @@ class BenchConfig:
     output_dir: Path = field(default_factory=lambda: Path("out") / time.strftime(
         "multiturn-%Y%m%d-%H%M%S"))
     warmup: bool = True
+    reverse: bool = False  # run the modes ideal -> on -> off instead of off -> on -> ideal
     command: str = ""
 
     @property
@@ -107,7 +108,10 @@ def run_modes(cfg: BenchConfig, console: Console, convs: list[Conversation],
         log = progress.console.print
         tasks = {m: progress.add_task(report.MODE_NAMES[m], total=turns, last="")
                  for m in report.MODES if m in cfg.modes}
-        for modes, target_cm in phases(cfg, log):
+        order = phases(cfg, log)
+        if cfg.reverse:  # drift between phases then biases the ratios the other way
+            order = [(tuple(reversed(modes)), cm) for modes, cm in reversed(order)]
+        for modes, target_cm in order:
             with target_cm() as (url, model):
                 for mode in modes:
                     task = tasks[mode]
@@ -234,6 +238,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--output-dir", type=Path,
                    help="results and worker logs (default: out/multiturn-DATE-TIME)")
     m.add_argument("--no-warmup", dest="warmup", action="store_false")
+    m.add_argument("--reverse", action="store_true",
+                   help="run the modes in reverse order (ideal, on, off): the modes run one after "
+                        "another, so run once each way and compare to see drift between phases")
     m.set_defaults(run=run_multiturn)
 
 
@@ -264,7 +271,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
               tokenizer=args.tokenizer, url=args.url and args.url.rstrip("/"),
               ideal_url=args.ideal_url and args.ideal_url.rstrip("/"),
               connector=args.kv_connector, dtype=args.dtype, warmup=args.warmup,
-              command=command_line())
+              reverse=args.reverse, command=command_line())
     if args.output_dir:
         kw["output_dir"] = args.output_dir
     return BenchConfig(**kw)

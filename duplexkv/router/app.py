@@ -40,6 +40,14 @@ from duplexkv.router.upstream import Upstream
 log = logging.getLogger("duplexkv.router")
 
 
+def public_models(r: httpx.Response) -> dict:
+    """A worker's /v1/models without what names its host: `root` (vLLM's and our workers' model
+    path) becomes the model id."""
+    body = r.json()
+    return {**body, "data": [{**card, "root": card.get("id")} if "root" in card else card
+                             for card in body["data"]]}
+
+
 def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Starlette:
     pool = BackendPool.from_urls(cfg.prefill, cfg.decode, affinity_slack=cfg.affinity_slack,
                                  unhealthy_after=cfg.unhealthy_after)
@@ -96,10 +104,10 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
     async def models(_: Request) -> Response:
         client = state["proxy"].upstream.client
         for b in sorted(pool.all, key=lambda b: not b.healthy):
-            with contextlib.suppress(httpx.HTTPError):
+            with contextlib.suppress(httpx.HTTPError, ValueError, TypeError, AttributeError):
                 r = await client.get(b.url + "/v1/models", timeout=cfg.health_timeout_s)
                 if r.status_code == 200:
-                    return Response(r.content, media_type="application/json")
+                    return JSONResponse(public_models(r))
         return APIError(503, "No worker answered /v1/models", type="service_unavailable_error",
                         code="no_worker_available").response()
 
@@ -131,7 +139,9 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
 
     async def unexpected(_: Request, exc: Exception) -> Response:
         log.exception("unhandled error")
-        return internal_error(exc).response()
+        # the exception's text can hold a worker's address: the client gets its type only
+        return APIError(500, f"internal error ({type(exc).__name__})",
+                        type="internal_server_error").response()
 
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),

@@ -28,6 +28,7 @@ log = logging.getLogger("duplexkv.router")
 class Backend:
     url: str
     role: str  # "prefill" | "decode"
+    name: str = ""  # what clients see: role and index, e.g. "prefill[0]" (never the URL)
     healthy: bool = True  # optimistic until the first check says otherwise
     outstanding: int = 0
     picks: int = 0
@@ -39,19 +40,19 @@ class Backend:
 
     def mark_down(self, reason: str) -> None:
         if self.healthy:
-            log.warning("%s worker %s is down: %s", self.role, self.url, reason)
+            log.warning("%s (%s) is down: %s", self.name, self.url, reason)
         self.healthy = False
         self.last_error = reason
 
     def mark_up(self) -> None:
         if not self.healthy:
-            log.info("%s worker %s is up again", self.role, self.url)
+            log.info("%s (%s) is up again", self.name, self.url)
         self.healthy = True
         self.failed_checks = 0
         self.last_error = ""
 
     def as_dict(self) -> dict:
-        return {"url": self.url, "role": self.role, "healthy": self.healthy,
+        return {"name": self.name, "role": self.role, "healthy": self.healthy,
                 "outstanding": self.outstanding, "picks": self.picks, "errors": self.errors,
                 "last_error": self.last_error or None,
                 "last_check_age_s": round(time.monotonic() - self.last_check, 3)
@@ -68,8 +69,8 @@ class BackendPool:
 
     @classmethod
     def from_urls(cls, prefill: Iterable[str], decode: Iterable[str], **kw) -> BackendPool:
-        pool = cls([Backend(u, "prefill") for u in prefill], [Backend(u, "decode") for u in decode],
-                   **kw)
+        pool = cls([Backend(u, "prefill", f"prefill[{i}]") for i, u in enumerate(prefill)],
+                   [Backend(u, "decode", f"decode[{i}]") for i, u in enumerate(decode)], **kw)
         pool.by_url = {(b.role, b.url): b for b in pool.all}
         return pool
 
@@ -152,10 +153,10 @@ class HealthChecker:
             r = await self.client.get(b.url + "/health", timeout=self.timeout_s)
             ok, reason = r.status_code == 200, f"/health returned {r.status_code}"
         except httpx.ConnectError as e:
-            ok, reason = False, f"connection failed: {e!r}"
+            ok, reason = False, f"connection failed ({type(e).__name__})"
             b.failed_checks = self.pool.unhealthy_after  # nothing listens there: down at once
         except httpx.HTTPError as e:
-            ok, reason = False, f"/health failed: {e!r}"
+            ok, reason = False, f"/health failed ({type(e).__name__})"
         b.last_check = time.monotonic()
         if ok:
             if not b.models or not b.healthy:

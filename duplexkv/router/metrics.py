@@ -50,9 +50,9 @@ class RouterMetrics:
             "duplexkv_router_overhead_seconds", "Router time per request not spent waiting for "
             "workers (to the first byte when streaming)", buckets=OVERHEAD_BUCKETS, **m)
         self.backend_up = Gauge("duplexkv_router_backend_up", "1 while a worker is healthy",
-                                ["role", "url"], **m)
+                                ["role", "worker"], **m)
         self.backend_outstanding = Gauge("duplexkv_router_backend_outstanding",
-                                         "Requests in flight per worker", ["role", "url"], **m)
+                                         "Requests in flight per worker", ["role", "worker"], **m)
         self.stored = Gauge("duplexkv_router_conversations_stored",
                             "Conversation entries in the store", **m)
         for event in ("stored", "hit", "miss", "expired", "evicted"):
@@ -66,8 +66,8 @@ class RouterMetrics:
 
     def update(self, pool: BackendPool, stored: int | None) -> None:
         for b in pool.all:
-            self.backend_up.labels(b.role, b.url).set(1 if b.healthy else 0)
-            self.backend_outstanding.labels(b.role, b.url).set(b.outstanding)
+            self.backend_up.labels(b.role, b.name).set(1 if b.healthy else 0)
+            self.backend_outstanding.labels(b.role, b.name).set(b.outstanding)
         if stored is not None:
             self.stored.set(stored)
 

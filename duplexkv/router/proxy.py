@@ -7,6 +7,8 @@ Failure rules (issue 5, protocol.md 6)
     P or D answers 503             the engine is dead: mark it down, use another
     other worker 4xx / 5xx         relayed to the client as it is
     no worker of a role answers    503 in OpenAI's shape, naming the role and the last error
+Client-visible messages name a worker by role and index ("prefill[0]"), never by its URL, and
+carry no exception text (which can hold addresses); the log has the details.
 """
 
 from __future__ import annotations
@@ -116,12 +118,14 @@ class Proxy:
                                             self._headers(turn), stream=stream)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             b.errors += 1
-            b.mark_down(f"connection failed: {e!r}")
+            log.warning("%s: %s (%s) unreachable: %r", turn.request_id, b.name, b.url, e)
+            b.mark_down(f"connection failed ({type(e).__name__})")
             self.metrics.upstream_errors.labels(b.role, "connect").inc()
-            raise Unreachable(f"{b.url}: {e!r}") from e
+            raise Unreachable(f"{b.name}: connection failed ({type(e).__name__})") from e
         except httpx.HTTPError as e:
             b.errors += 1
-            b.last_error = repr(e)
+            log.warning("%s: %s (%s) failed: %r", turn.request_id, b.name, b.url, e)
+            b.last_error = type(e).__name__
             self.metrics.upstream_errors.labels(b.role, "transport").inc()
             raise
         finally:
@@ -135,8 +139,10 @@ class Proxy:
             b.errors += 1
             b.last_error = f"HTTP {resp.status_code}"
         if resp.status_code == 503:
-            b.mark_down(f"{b.url} answered 503 (engine not available)")
-        return f"{b.url} answered HTTP {resp.status_code}: {resp.text[:300]}"
+            b.mark_down("answered 503 (engine not available)")
+        log.warning("%s (%s) answered HTTP %d: %s", b.name, b.url, resp.status_code,
+                    resp.text[:300])
+        return f"{b.name} answered HTTP {resp.status_code}"
 
     # P leg
     async def prefill(self, turn: Turn) -> None:
@@ -163,7 +169,7 @@ class Proxy:
                 last = str(e)
                 continue
             except (httpx.HTTPError, ValueError) as e:
-                last = f"{p.url}: {e!r}"
+                last = f"{p.name}: {type(e).__name__}"
             finally:
                 p.outstanding -= 1
             if answer is not None:
@@ -212,7 +218,7 @@ class Proxy:
                 resp = await self._send(d, turn, body, stream=stream)
             except (Unreachable, httpx.HTTPError) as e:
                 d.outstanding -= 1
-                last = str(e) if isinstance(e, Unreachable) else f"{d.url}: {e!r}"
+                last = str(e) if isinstance(e, Unreachable) else f"{d.name}: {type(e).__name__}"
                 continue
             if resp.status_code == 200:
                 return d, resp  # the caller decrements d.outstanding when done
@@ -232,7 +238,7 @@ class Proxy:
         try:
             d_json = resp.json()
         except ValueError:
-            raise no_worker("decode", f"{d.url} answered invalid JSON") from None
+            raise no_worker("decode", f"{d.name} answered invalid JSON") from None
         out, params = finish_json(d_json, turn.stats)
         await self.remember(turn, d, params)
         self.metrics.overhead.observe(max(0.0, perf() - turn.arrival - turn.upstream_s))
@@ -271,7 +277,8 @@ class Proxy:
             log.warning("%s: decode stream from %s broke: %r", turn.request_id, d.url, e)
             leg.outcome = "upstream_error"
             m.upstream_errors.labels("decode", "stream").inc()
-            err = APIError(502, f"the decode worker's stream broke: {e!r}", type="server_error",
+            err = APIError(502, f"the decode worker's stream broke ({d.name}: "
+                           f"{type(e).__name__})", type="server_error",
                            code="upstream_stream_error")
             yield b"data: " + dumps(err.body()) + b"\n\ndata: [DONE]\n\n"
         finally:

@@ -112,6 +112,7 @@ def build_app(aeng: AsyncEngine, served_model_name: str,
             except AssertionError as e:
                 integrity = f"violated: {e}"
             return {**EngineSnapshot.read(aeng.engine).as_dict(), "integrity": integrity,
+                    "dtype": aeng.engine.config.dtype,
                     "num_evicted_blocks": aeng.engine.bm.num_evicted}
 
         return JSONResponse(await aeng.call(read))
