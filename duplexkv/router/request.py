@@ -1,7 +1,7 @@
 """The client's request as the router sees it: cheap validation, conversation id, tenant.
 
 The router rejects only what it can tell without a tokenizer, with the worker's own messages
-(`duplexkv.server.protocol`), so a client sees the same 400 with or without the router; anything
+(`duplexkv.http.openai`), so a client sees the same 400 with or without the router; anything
 else goes to the workers, whose 4xx are relayed as they are. `conversation_id` and any
 `kv_transfer_params` are taken out of the body here: the router owns `kv_transfer_params`.
 
