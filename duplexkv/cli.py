@@ -9,7 +9,9 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from duplexkv.bench.demo import add_demo
+from duplexkv.bench.multiturn import SCRIPTS as BENCH_SCRIPTS
 from duplexkv.bench.multiturn import add_bench
+from duplexkv.bench.multiturn import run_script as run_bench_script
 from duplexkv.model.config import ModelLoadError
 from duplexkv.router.serve import add_router_parser
 from duplexkv.server.serve import add_serve_parser
@@ -61,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCH_SCRIPTS:
+        return run_bench_script(argv[1], argv[2:])  # it parses its own arguments
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

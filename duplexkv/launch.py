@@ -86,7 +86,7 @@ def _die_with_parent() -> None:
 # Several workers share the cores of one machine. OpenMP threads that spin while waiting for
 # work (libgomp's default) steal those cores from the other worker: P prefilling while D
 # decodes, 2 threads each on 2 cores, ran 2.4-3.5x slower than with passive waiting, which costs
-# nothing for a worker running alone (benchmarks/omp_contention.py). The user's setting wins.
+# nothing for a worker running alone (`duplexkv bench omp_contention`). The user's setting wins.
 WORKER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 

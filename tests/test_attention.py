@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from duplexkv import LLM, SamplingParams
-from duplexkv.engine import attention
-from duplexkv.engine.staging import MirrorSet, fill_from_pool
+from duplexkv.layers import attention
+from duplexkv.layers.staging import MirrorSet, fill_from_pool
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2)])

@@ -5,10 +5,10 @@ compared with one engine computing the same conversation from scratch (the oracl
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
 import pytest
-
 from workers import (
     MISS,
     decode_leg,

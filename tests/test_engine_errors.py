@@ -3,7 +3,7 @@
 import pytest
 
 from duplexkv import LLM, SamplingParams
-from duplexkv.config import EngineConfig
+from duplexkv.engine.config import EngineConfig
 from duplexkv.engine.llm_engine import RequestRejected
 
 

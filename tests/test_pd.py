@@ -7,9 +7,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from duplexkv import LLM, SamplingParams
-from duplexkv.kv import side_channel
 from workers import (
     decode_leg,
     kv_config,
@@ -19,6 +16,9 @@ from workers import (
     start_worker,
     wait_for,
 )
+
+from duplexkv import LLM, SamplingParams
+from duplexkv.kv import side_channel
 
 CONNECTORS = ["TcpConnector", "NixlConnector"]
 ARGS = ("--num-kv-blocks", "96", "--max-model-len", "1024")

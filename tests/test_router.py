@@ -21,9 +21,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from workers import DUPLEXKV, kv_config, skip_or_fail, start_worker
 
 from duplexkv import LLM, SamplingParams
 from duplexkv.router.backends import BackendPool, HealthChecker
+from duplexkv.router.http_client import FastTransport
 from duplexkv.router.legs import (
     TurnStats,
     decode_body,
@@ -34,8 +36,6 @@ from duplexkv.router.legs import (
 from duplexkv.router.request import ClientRequest
 from duplexkv.router.store import Entry, MemoryStore, RedisStore, conversation_key
 from duplexkv.router.stream import StreamRelay
-from duplexkv.router.transport import FastTransport
-from workers import DUPLEXKV, kv_config, skip_or_fail, start_worker
 
 ARGS = ("--num-kv-blocks", "256", "--max-model-len", "1024")
 MODEL = "tiny"

@@ -429,8 +429,8 @@ def test_colliding_request_ids_are_suffixed(server):
 
 @pytest.fixture(scope="module")
 def aeng(tiny_model_dir):
-    from duplexkv.config import EngineConfig
     from duplexkv.engine.async_engine import AsyncEngine
+    from duplexkv.engine.config import EngineConfig
     from duplexkv.engine.llm_engine import LLMEngine
 
     eng = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32",
@@ -467,8 +467,8 @@ def test_dead_engine_gives_503(tiny_model_dir):
     request in flight, later requests and /health all answer 503 naming the failure."""
     import asyncio
 
-    from duplexkv.config import EngineConfig
     from duplexkv.engine.async_engine import AsyncEngine
+    from duplexkv.engine.config import EngineConfig
     from duplexkv.engine.llm_engine import LLMEngine
     from duplexkv.server.app import build_app
 

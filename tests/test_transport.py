@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
+from workers import skip_or_fail
 
 from duplexkv.kv.transport import XferState, make_transport
 from duplexkv.kv.transport.base import NIXL_INSTALL_HINT
-from workers import skip_or_fail
 
 KINDS = ["tcp", "nixl"]
 CHILD_ENV = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}

@@ -207,9 +207,31 @@ def run(cfg: BenchConfig, console: Console | None = None) -> dict:
     return doc
 
 
+SCRIPTS = {
+    "reuse": "P's TTFT pulling history from D vs local hit vs recompute",
+    "first_token": "D's TTFT with P's first token vs recomputing the last prompt token",
+    "transfer": "KV READ speed: NIXL and TCP vs memcpy and a raw socket",
+    "engine_vs_hf": "prefill and decode of the engine vs HF transformers",
+    "router_overhead": "time and throughput the router adds (stub workers)",
+    "omp_contention": "a prefill and a decode process sharing the cores",
+}
+
+
+def run_script(name: str, argv: list[str]) -> int:
+    import importlib
+
+    importlib.import_module(f"duplexkv.bench.{name}").main(argv)
+    return 0
+
+
 def add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (multiturn)")
+    p = sub.add_parser("bench", help="benchmarks: multiturn, " + ", ".join(SCRIPTS),
+                       description="Every benchmark of the project. `duplexkv bench NAME --help` "
+                                   "describes one; each prints its ratio against a baseline "
+                                   "measured in the same run.")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    for name, what in SCRIPTS.items():  # each parses its own arguments
+        bench.add_parser(name, help=what, add_help=False)  # cli.main runs it directly
     m = bench.add_parser("multiturn", help="TTFT vs history length, reuse off / on / ideal",
                          description=__doc__,
                          formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from duplexkv.config import EngineConfig
+from duplexkv.engine.config import EngineConfig
 from duplexkv.engine.llm_engine import LLMEngine, Prompt, RequestOutput
 from duplexkv.engine.sampling_params import SamplingParams
 

@@ -1,4 +1,9 @@
-"""The engine: requests in, one `step()` at a time (schedule -> run -> sample -> postprocess)."""
+"""The engine: requests in, one `step()` at a time (schedule -> run -> sample -> postprocess).
+
+Longer than 300 lines: a request's whole lifecycle (admission and checks, the step with its
+per-request fault isolation, stop handling, the connector's events, finish/abort/fail) acts on one
+request table, and reads best in one place.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from duplexkv.config import EngineConfig
 from duplexkv.engine.block_manager import BlockManager
+from duplexkv.engine.config import EngineConfig
 from duplexkv.engine.kv_pool import DTYPE, block_bytes, num_blocks_for
 from duplexkv.engine.kv_transfer import (
     ConnectorEvent,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from duplexkv.engine.attention import AttnContext, build_seq_attn, reset_context, set_context
 from duplexkv.engine.kv_pool import DTYPE, allocate_pool
 from duplexkv.engine.scheduler import ScheduledSeq
-from duplexkv.engine.staging import MirrorSet
+from duplexkv.layers.attention import AttnContext, build_seq_attn, reset_context, set_context
+from duplexkv.layers.staging import MirrorSet
 from duplexkv.model.config import ModelConfig
 from duplexkv.model.qwen3 import CausalLM, Rotary
 

@@ -1,5 +1,8 @@
 """The reader: pulls a holder's blocks for a parked request, verified first.
 
+Longer than 300 lines: the pull state machine (verify, decide, reserve, READ, land or decline),
+its network jobs and its failure isolation are one concept.
+
     start(seq, params)     hash the prompt's blocks; a verify job goes to the holder's side
                            channel on a kv-net thread, gated per peer (`peer_gate`)
     verified (poll)        usable = tokens the holder has for exactly this prompt; gain = usable

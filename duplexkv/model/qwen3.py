@@ -1,7 +1,7 @@
 """Qwen3 / Llama / Qwen2 decoder in plain PyTorch, reading its KV from the paged pool.
 
 `forward(input_ids, positions)` takes a step's tokens flattened; per-sequence attention metadata
-comes from `duplexkv.engine.attention`'s context. Numerics follow HF transformers (RMSNorm in
+comes from `duplexkv.layers.attention`'s context. Numerics follow HF transformers (RMSNorm in
 float32, RoPE tables in float32) so float32 logits match it closely.
 """
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from duplexkv.engine.attention import paged_attention
+from duplexkv.layers.attention import paged_attention
 from duplexkv.model.config import ModelConfig
 
 

@@ -1,6 +1,8 @@
 """One client request through P and D: recall the conversation, P leg (with the retry rules),
 D leg (JSON or a relayed stream), remember D's params for the next turn.
 
+Longer than 300 lines: the two legs and their failure rules (below) are one sequence.
+
 Failure rules (issue 5, protocol.md 6)
     connection refused/timed out   nothing was sent: mark the worker down, use another of its role
     P fails on a replayed turn     retry once as a plain miss (D's blocks may be gone)

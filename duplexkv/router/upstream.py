@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 
 from duplexkv.router.config import RouterConfig
-from duplexkv.router.transport import FastTransport
+from duplexkv.router.http_client import FastTransport
 
 
 class Upstream:

@@ -10,7 +10,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from duplexkv.config import DTYPES, EngineConfig
+from duplexkv.engine.config import DTYPES, EngineConfig
 
 log = logging.getLogger("duplexkv.serve")
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}

@@ -1,5 +1,9 @@
 """The KV transport interface: one-sided READs of whole KV blocks between worker processes.
 
+Longer than 300 lines: the interface's contract (docstrings) plus the bookkeeping both
+implementations share (registration, peers, handles, deadlines, counters, health), so that NIXL
+and TCP keep only what differs.
+
 Every worker registers one pool tensor `[num_blocks, ...]` (contiguous, CPU), so block `b` is the
 byte range `pool.data_ptr() + b * block_bytes` of length `block_bytes`. A transfer is a pull: the
 reader READs remote block ids into its own block ids, then the holder receives a notification

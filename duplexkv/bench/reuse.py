@@ -8,7 +8,7 @@ whose history is already on D, three ways, measured in one run on the `bench` mo
 History 2k/8k/16k tokens plus a 256-token new user turn. Targets: pull within 1.1x of local at
 16k, and at least 10x faster than recompute at 16k.
 
-    .venv/bin/python benchmarks/reuse.py [--lengths 2048 8192 16384] [--connector TcpConnector]
+    .venv/bin/python duplexkv bench reuse [--lengths 2048 8192 16384] [--connector TcpConnector]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def d_turn(client: httpx.Client, p_url: str, d_url: str, prompt: list[int],
     return j["kv_transfer_params"], j
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=NEW_TURN, help="tokens of the new turn")
     ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     max_len = max(args.lengths) + args.new_tokens + 64
     common = ["--max-model-len", str(max(max_len, 4096)), "--kv-cache-memory", "1.0"]
     kv = bidirectional_kv(args.connector)

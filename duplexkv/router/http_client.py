@@ -3,7 +3,7 @@
 Why: the router makes two upstream calls per request, and httpcore (anyio + h11) costs ~0.65 ms
 per call on this machine, against ~0.1 ms for the same exchange on asyncio streams: with it the
 router alone adds >3 ms per request and stalls near 70 req/s under concurrency (see
-benchmarks/router_overhead.py). The router keeps httpx's client API (timeouts, streaming,
+`duplexkv bench router_overhead`). The router keeps httpx's client API (timeouts, streaming,
 Request/Response); only the wire part is replaced. `http://` only (https goes to httpcore).
 
     pool        idle keep-alive connections per (host, port), reused newest first; one that the

@@ -8,7 +8,7 @@ Each measurement is taken `--samples` times (default 3) with the order alternati
 then HF first, ...) so that neither side always runs on a warmer or cooler machine; the table
 gives the median and the spread (min-max) of each side, and the speed-up of the medians.
 
-    .venv/bin/python benchmarks/engine_vs_hf.py [--lengths 2048 4096 8192 16384] [--dtypes ...]
+    .venv/bin/python duplexkv bench engine_vs_hf [--lengths 2048 4096 8192 16384] [--dtypes ...]
         [--samples 3]
 """
 
@@ -93,7 +93,7 @@ def describe(r: dict, unit: str, k: float) -> str:
             f"speed-up {r['hf_s'] / r['ours_s']:5.2f}x")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=3,
                     help="samples per measurement, order alternating between ours and HF")
     ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import transformers
 
     model_dir = resolve_model(args.model)

@@ -1,6 +1,6 @@
 """KV READ between two processes: NIXL and TCP transports vs memcpy and a raw loopback socket.
 
-    .venv/bin/python benchmarks/transfer.py [--reps 9] [--tokens 2048 8192 16384]
+    .venv/bin/python duplexkv bench transfer [--reps 9] [--tokens 2048 8192 16384]
 
 The `bench` model's KV layout (8 layers, 2 KV heads, head_dim 64, block 16, bf16 = 64 KiB per
 block). This process is the reader; a spawned holder process owns a pool with the same layout.
@@ -28,7 +28,6 @@ import torch
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from duplexkv.kv.transport import XferState, make_transport
 
@@ -114,7 +113,7 @@ def ucx_proto_info() -> str:
         or "no UCX protocol table seen"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 16384])
     ap.add_argument("--reps", type=int, default=9)
@@ -123,7 +122,7 @@ def main() -> None:
                     help="poll timeout of NIXL's progress thread; 0 = no thread")
     ap.add_argument("--nixl-threads", type=int, default=0, help="NIXL UCX num_threads")
     ap.add_argument("--no-proto-info", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     kinds = list(args.kinds)
     try:
         import nixl  # noqa: F401

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from duplexkv.engine.staging import Mirror, fill_from_pool
+from duplexkv.layers.staging import Mirror, fill_from_pool
 
 
 @dataclass(slots=True)

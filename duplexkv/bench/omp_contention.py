@@ -5,7 +5,7 @@ each alone, then both at once, under each policy; prints wall times and the cont
 ratio. `duplexkv up` and the benchmark's cluster start their workers with PASSIVE (see
 duplexkv/launch.py) because of what this measures.
 
-    .venv/bin/python benchmarks/omp_contention.py [--reps 2]
+    .venv/bin/python duplexkv bench omp_contention [--reps 2]
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ def run(jobs: list[str], setting: str) -> list[float]:
     return [float(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--settings", nargs="+", default=["", "OMP_WAIT_POLICY=PASSIVE"],
                     help="environment settings to compare ('' = libgomp's default)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     print(f"{os.cpu_count()} CPUs; jobs: 2 x 6k-token prefill | 150 decode steps at 8k")
     print("| setting | prefill alone s | decode alone s | prefill with decode s | "
           "decode with prefill s | slow-down (both at once / alone) |")

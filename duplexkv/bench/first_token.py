@@ -10,7 +10,7 @@ KV of the last prompt token comes from a chunked prefill, D's recomputation from
 step, and on these random-token prompts near-tied greedy choices can flip a few tokens later
 (the float32 tests require exact equality).
 
-    .venv/bin/python benchmarks/first_token.py [--lengths 2048 8192 15360] [--reps 5]
+    .venv/bin/python duplexkv bench first_token [--lengths 2048 8192 15360] [--reps 5]
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import httpx
-from reuse import MISS, p_leg  # benchmarks/reuse.py, beside this script
 
+from duplexkv.bench.reuse import MISS, p_leg
 from duplexkv.launch import bidirectional_kv, spawn, wait_ready, worker_args
 
 
@@ -48,14 +48,14 @@ def d_leg(client: httpx.Client, url: str, prompt: list[int], params: dict) -> tu
     return first, "".join(text), stats
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 15360])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--connector", default="TcpConnector",
                     choices=["TcpConnector", "NixlConnector"])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     common = ["--max-model-len", str(max(max(args.lengths) + 64, 4096)),
               "--kv-cache-memory", "1.0", "--no-enable-prefix-caching"]
     logs = Path(tempfile.mkdtemp(prefix="duplexkv-first-token-"))

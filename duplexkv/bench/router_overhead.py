@@ -15,7 +15,7 @@ Targets (issue 5): router adds <= 2 ms at p50; >= 500 requests/s on one router p
 process, the router and the load generator share this machine's cores: the req/s figure is a
 lower bound on what the router does with a core of its own.
 
-    .venv/bin/python benchmarks/router_overhead.py [--requests 2000] [--concurrency 32]
+    .venv/bin/python duplexkv bench router_overhead [--requests 2000] [--concurrency 32]
         [--upstream-http fast|httpcore]
 """
 
@@ -199,7 +199,7 @@ async def main_async(args, r_port: int, d_port: int) -> dict:
     return {"d": d_times, "r": r_times, "rps_direct": rps_direct, "rps_router": rps_router}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=32)
@@ -207,7 +207,7 @@ def main() -> None:
                     help="the router's client transport to the workers (default: fast)")
     ap.add_argument("--stub", nargs=2, type=int, metavar=("P_PORT", "D_PORT"),
                     help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.stub:
         asyncio.run(run_stubs(*args.stub))
         return
