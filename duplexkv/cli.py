@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from duplexkv.bench.demo import add_demo
-from duplexkv.bench.multiturn import SCRIPTS as BENCH_SCRIPTS
 from duplexkv.bench.multiturn import add_bench
-from duplexkv.bench.multiturn import run_script as run_bench_script
+from duplexkv.bench.scripts import SCRIPTS as BENCH_SCRIPTS
+from duplexkv.bench.scripts import run_script as run_bench_script
 from duplexkv.model.config import ModelLoadError
 from duplexkv.router.serve import add_router_parser
 from duplexkv.server.serve import add_serve_parser

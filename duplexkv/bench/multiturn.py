@@ -31,6 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from duplexkv.bench import report
 from duplexkv.bench.client import Result, Runner, Target
+from duplexkv.bench.scripts import SCRIPTS
 from duplexkv.bench.targets import BenchError, check_target, phases
 from duplexkv.bench.workload import (
     DEFAULT_SIZES,
@@ -205,23 +206,6 @@ def run(cfg: BenchConfig, console: Console | None = None) -> dict:
     console.print(f"took {took / 60:.1f} min; wrote {out / 'results.json'}, "
                   f"{out / 'results.md'}, {out / 'ttft_vs_context.png'}")
     return doc
-
-
-SCRIPTS = {
-    "reuse": "P's TTFT pulling history from D vs local hit vs recompute",
-    "first_token": "D's TTFT with P's first token vs recomputing the last prompt token",
-    "transfer": "KV READ speed: NIXL and TCP vs memcpy and a raw socket",
-    "engine_vs_hf": "prefill and decode of the engine vs HF transformers",
-    "router_overhead": "time and throughput the router adds (stub workers)",
-    "omp_contention": "a prefill and a decode process sharing the cores",
-}
-
-
-def run_script(name: str, argv: list[str]) -> int:
-    import importlib
-
-    importlib.import_module(f"duplexkv.bench.{name}").main(argv)
-    return 0
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:

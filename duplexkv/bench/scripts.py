@@ -1,0 +1,19 @@
+"""The benchmark scripts `duplexkv bench NAME` runs; each parses its own arguments."""
+
+from __future__ import annotations
+
+SCRIPTS = {
+    "reuse": "P's TTFT pulling history from D vs local hit vs recompute",
+    "first_token": "D's TTFT with P's first token vs recomputing the last prompt token",
+    "transfer": "KV READ speed: NIXL and TCP vs memcpy and a raw socket",
+    "engine_vs_hf": "prefill and decode of the engine vs HF transformers",
+    "router_overhead": "time and throughput the router adds (stub workers)",
+    "omp_contention": "a prefill and a decode process sharing the cores",
+}
+
+
+def run_script(name: str, argv: list[str]) -> int:
+    import importlib
+
+    importlib.import_module(f"duplexkv.bench.{name}").main(argv)
+    return 0
