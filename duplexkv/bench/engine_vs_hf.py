@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                     lambda: hf_decode(hf, prompt, args.decode_steps))
         results.append({"dtype": dtype, "what": f"decode step @{args.decode_context}", **r})
         print(f"{dtype:9s} decode @{args.decode_context}: {describe(r, 'ms', 1e3)}", flush=True)
-        del llm, hf
+        llm = hf = None  # free both before the next dtype
         gc.collect()
     print(f"\n{args.samples} samples each, order alternating; median (min-max)\n")
     print("| dtype | measurement | ours | HF transformers (SDPA) | speed-up (HF / ours) |")
