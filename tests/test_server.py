@@ -462,14 +462,15 @@ def test_two_apps_in_one_process(aeng):
     assert r[2].json()["kv"] == "x"
 
 
-def test_dead_engine_gives_503(tiny_model_dir):
-    """A whole engine step raises (an injected fault in the model runner, in process): the
-    request in flight, later requests and /health all answer 503 naming the failure."""
+def test_failing_steps_fail_their_requests_then_the_engine_is_dead(tiny_model_dir):
+    """Every engine step raises (an injected fault in the model runner, in process): each request
+    of a failed step gets a 500 naming the failure while the engine goes on; after three failed
+    steps in a row the engine is dead and later requests and /health answer 503."""
     import asyncio
 
     from duplexkv.engine.async_engine import AsyncEngine
     from duplexkv.engine.config import EngineConfig
-    from duplexkv.engine.llm_engine import LLMEngine
+    from duplexkv.engine.llm_engine import MAX_CONSECUTIVE_STEP_FAILURES, LLMEngine
     from duplexkv.server.app import build_app
 
     eng = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32",
@@ -479,15 +480,22 @@ def test_dead_engine_gives_503(tiny_model_dir):
         raise RuntimeError("boom: injected model runner fault")
 
     eng.engine.runner.run = broken_run
+    dead: list[str] = []
+    eng.on_dead = dead.append
     eng.start()
     try:
         app = build_app(eng, "m")
-        r = asyncio.run(_asgi_get_post(app, [
-            ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-            ("POST", "/v1/chat/completions", {"messages": CHAT}), ("GET", "/health", None)]))
+        calls = [("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})] * \
+            MAX_CONSECUTIVE_STEP_FAILURES + [
+            ("POST", "/v1/chat/completions", {"messages": CHAT}), ("GET", "/health", None)]
+        r = asyncio.run(_asgi_get_post(app, calls))
     finally:
         eng.shutdown()
-    assert eng.dead and "boom" in eng.dead
-    for resp in r:
+    assert eng.dead and "boom" in eng.dead and dead == [eng.dead]
+    for resp in r[:MAX_CONSECUTIVE_STEP_FAILURES]:
+        assert resp.status_code == 500, resp.text
+        assert resp.json()["error"]["code"] == "request_failed"
+        assert "boom" in resp.json()["error"]["message"]
+    for resp in r[MAX_CONSECUTIVE_STEP_FAILURES:]:
         assert resp.status_code == 503, resp.text
         assert "boom" in resp.json()["error"]["message"]

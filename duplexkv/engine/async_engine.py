@@ -164,8 +164,13 @@ class AsyncEngine:
         except BaseException as e:  # unrecoverable (EngineFatal or a bug): fail everyone, loudly
             log.exception("engine thread died")
             self.dead = f"engine failed: {e!r}"
+            answered = set()
+            for out in getattr(e, "outputs", []):  # the failed step's own errors first
+                self._deliver(out.request_id, out)
+                answered.add(out.request_id)
             for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(self.dead))
+                if rid not in answered:
+                    self._deliver(rid, EngineDeadError(self.dead))
             if self.on_dead is not None:
                 try:
                     self.on_dead(self.dead)

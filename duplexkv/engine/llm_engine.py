@@ -51,7 +51,12 @@ class RequestRejected(ValueError):
 
 class EngineFatal(RuntimeError):
     """The engine's own state can no longer be trusted (block integrity broken after a failed
-    step, or steps keep failing): the process must stop so that a supervisor restarts it."""
+    step, or steps keep failing): the process must stop so that a supervisor restarts it.
+    `outputs` are the failed step's answers, still to be delivered."""
+
+    def __init__(self, message: str, outputs: list | None = None) -> None:
+        super().__init__(message)
+        self.outputs = outputs or []
 
 
 @dataclass(slots=True)
@@ -303,10 +308,11 @@ class LLMEngine:
         try:
             self.check_integrity()
         except AssertionError as e:
-            raise EngineFatal(f"KV block integrity broken after a failed step: {e}") from exc
+            raise EngineFatal(f"KV block integrity broken after a failed step: {e}",
+                              outputs) from exc
         if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
             raise EngineFatal(f"{self._consecutive_step_failures} steps in a row failed, last: "
-                              f"{exc!r}") from exc
+                              f"{exc!r}", outputs) from exc
         return outputs
 
     # remote KV: the connector's events
