@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from workers import DUPLEXKV, kv_config, skip_or_fail, start_worker
+from workers import DUPLEXKV, kv_config, skip_or_fail, start_p_and_d, start_worker
 
 from duplexkv import LLM, SamplingParams
 from duplexkv.router.backends import BackendPool, HealthChecker
@@ -127,12 +127,7 @@ def tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir, tmp):
-    # P without a local prefix cache, as in the reference evaluation: every reused token is pulled
-    with ThreadPoolExecutor(2) as pool:
-        p = pool.submit(start_worker, tiny_model_dir, tmp / "p.log", *ARGS,
-                        "--no-enable-prefix-caching", kv=bidi())
-        d = pool.submit(start_worker, tiny_model_dir, tmp / "d.log", *ARGS, kv=bidi())
-        p, d = p.result(), d.result()
+    p, d = start_p_and_d(tiny_model_dir, tmp, *ARGS, kv=bidi())
     yield p, d
     for w in (p, d):
         w.stop()

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_router import ARGS, MODEL, bidi, start_router
-from workers import start_worker
+from workers import start_p_and_d
 
 EXAMPLES = int(os.environ.get("DUPLEXKV_FUZZ_EXAMPLES", "1000"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -38,11 +38,7 @@ def tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp):
-    with ThreadPoolExecutor(2) as pool:
-        p = pool.submit(start_worker, tiny_model_dir, tmp / "p.log", *ARGS,
-                        "--no-enable-prefix-caching", kv=bidi())
-        d = pool.submit(start_worker, tiny_model_dir, tmp / "d.log", *ARGS, kv=bidi())
-        p, d = p.result(), d.result()
+    p, d = start_p_and_d(tiny_model_dir, tmp, *ARGS, kv=bidi())
     router = start_router(tmp / "router.log", [p.url], [d.url])
     client = httpx.Client(base_url=router.url, timeout=60)
     yield router, p, d, client

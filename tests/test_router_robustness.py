@@ -17,13 +17,12 @@ import signal
 import subprocess
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 from test_router import ARGS, MODEL, _free_port, bidi, start_router
-from workers import start_worker
+from workers import start_p_and_d
 
 from duplexkv.router.breaker import Breaker, BreakerOpen
 from duplexkv.router.store import GuardedStore, MemoryStore
@@ -41,11 +40,7 @@ def tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir, tmp):
-    with ThreadPoolExecutor(2) as pool:
-        p = pool.submit(start_worker, tiny_model_dir, tmp / "p.log", *ARGS,
-                        "--no-enable-prefix-caching", kv=bidi())
-        d = pool.submit(start_worker, tiny_model_dir, tmp / "d.log", *ARGS, kv=bidi())
-        p, d = p.result(), d.result()
+    p, d = start_p_and_d(tiny_model_dir, tmp, *ARGS, kv=bidi())
     yield p, d
     for w in (p, d):
         w.stop()

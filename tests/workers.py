@@ -120,6 +120,18 @@ def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = Non
     raise TimeoutError(f"worker not ready after {timeout_s}s:\n{log.read_text()}")
 
 
+def start_p_and_d(model: str | Path, tmp: Path, *args: str, kv: dict) -> tuple[Worker, Worker]:
+    """A P (without a local prefix cache, as in the reference evaluation: every reused token is
+    pulled) and a D, started at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        p = pool.submit(start_worker, model, tmp / "p.log", *args, "--no-enable-prefix-caching",
+                        kv=kv)
+        d = pool.submit(start_worker, model, tmp / "d.log", *args, kv=kv)
+        return p.result(), d.result()
+
+
 def kv_config(connector: str, **extra) -> dict:
     return {"kv_connector": connector, "kv_role": "kv_both",
             "kv_load_failure_policy": extra.pop("policy", "recompute"),
