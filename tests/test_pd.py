@@ -18,7 +18,7 @@ from workers import (
 )
 
 from duplexkv import LLM, SamplingParams
-from duplexkv.kv import side_channel
+from duplexkv.kv import messages, side_channel
 
 CONNECTORS = ["TcpConnector", "NixlConnector"]
 ARGS = ("--num-kv-blocks", "96", "--max-model-len", "1024")
@@ -159,8 +159,9 @@ def test_lease_renewed_by_heartbeats_and_expires_without_them(cluster, tiny_mode
         end = time.monotonic() + 7.0  # over twice the lease
         while time.monotonic() < end:
             reply = side_channel.request(params["remote_host"], params["remote_port"],
-                                         ["hb", [params["remote_request_id"]]], 10.0)
-            assert reply["known"] == 1
+                                         messages.Heartbeat([params["remote_request_id"]]),
+                                         messages.HeartbeatReply, 10.0)
+            assert reply.known == 1
             retained = p.kv()["retained"]
             assert retained["leases"] == 1 and retained["released"]["expired"] == 0, retained
             time.sleep(0.3)
