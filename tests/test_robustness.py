@@ -154,8 +154,9 @@ def test_health_answers_while_a_huge_prompt_is_tokenised(tiny_model_dir, tmp):
         assert "maximum context length" in result["r"].json()["error"]["message"]
         # quiet machine: ~2 ms each. The bounds leave room for a loaded 2-core CI machine;
         # blocking the loop (as before) makes single calls take many seconds.
-        took.sort()
-        assert len(took) >= 5 and took[len(took) // 2] < 0.1 and took[-1] < 1.0, took
+        order = sorted(took)
+        assert len(took) >= 5 and order[len(took) // 2] < 0.1 and order[-1] < 2.0, \
+            [(i, round(t, 3)) for i, t in enumerate(took) if t > 0.05]
         alive(w)
     finally:
         w.stop()
