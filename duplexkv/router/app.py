@@ -27,6 +27,7 @@ from duplexkv.router.proxy import Proxy, Relayed
 from duplexkv.router.request import ENDPOINTS, Kind, parse_client_request
 from duplexkv.router.store import ConversationStore, make_store
 from duplexkv.router.upstream import Upstream
+from duplexkv.server import debug_memory
 from duplexkv.server.errors import APIError, internal_error, model_not_found
 
 log = logging.getLogger("duplexkv.router")
@@ -129,4 +130,5 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: unexpected})
     app.state.pool, app.state.store, app.state.metrics = pool, store, metrics
+    debug_memory.add_route(app, lambda: {"store": len(getattr(store, "_entries", ()))})
     return app
