@@ -229,8 +229,9 @@ def main() -> int:
     spec = ClusterSpec(model=args.model, connector="TcpConnector", bidirectional=True,
                        worker_args=("--dtype", args.dtype),
                        prefill_args=prefill_args, decode_args=decode_args)
-    env_note = {k: os.environ.get(k) or launch.WORKER_ENV_DEFAULTS.get(k) for k in
-                ("MALLOC_ARENA_MAX", "OMP_WAIT_POLICY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    env_note = {k: os.environ.get(k) or launch.WORKER_ENV_DEFAULTS.get(k) for k in (
+        "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "OMP_WAIT_POLICY",
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
     print(f"soak: {args.duration:.0f} s, {args.clients} conversations at once, model "
           f"{args.model} ({args.dtype}), D pool {args.decode_kv_blocks} blocks, TCP, "
           f"bidirectional on; native bf16: {native_bf16()}; worker env {env_note}", flush=True)
