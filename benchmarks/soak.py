@@ -192,10 +192,12 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=40, help="conversations at once")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--decode-kv-blocks", type=int, default=512,
+    ap.add_argument("--decode-kv-blocks", type=int, default=1024,
                     help="D's --num-kv-blocks (small: retention runs under pressure)")
-    ap.add_argument("--prefill-kv-blocks", type=int, default=None,
-                    help="P's --num-kv-blocks (default: the worker's default pool)")
+    ap.add_argument("--prefill-kv-blocks", type=int, default=16384,
+                    help="P's --num-kv-blocks: what 1 GiB holds for the bench model (tiny's 4 KiB "
+                    "blocks would make the default 1 GiB pool 262k blocks, whose prefix-cache "
+                    "index, ~0.7 KB of Python objects per cached block, fills for an hour)")
     ap.add_argument("--max-context", type=int, default=3072)
     ap.add_argument("--interval", type=float, default=10, help="seconds between RSS samples")
     ap.add_argument("--debug-memory", type=float, default=0, metavar="S",
@@ -224,8 +226,7 @@ def main() -> int:
     resolve_model(args.model)
     tok = Tokenizer.from_dir(resolve_model(args.model))
     decode_args = ("--num-kv-blocks", str(args.decode_kv_blocks))
-    prefill_args = ("--num-kv-blocks", str(args.prefill_kv_blocks)) if args.prefill_kv_blocks \
-        else ()
+    prefill_args = ("--num-kv-blocks", str(args.prefill_kv_blocks))
     spec = ClusterSpec(model=args.model, connector="TcpConnector", bidirectional=True,
                        worker_args=("--dtype", args.dtype),
                        prefill_args=prefill_args, decode_args=decode_args)
@@ -233,7 +234,8 @@ def main() -> int:
         "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "OMP_WAIT_POLICY",
         "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
     print(f"soak: {args.duration:.0f} s, {args.clients} conversations at once, model "
-          f"{args.model} ({args.dtype}), D pool {args.decode_kv_blocks} blocks, TCP, "
+          f"{args.model} ({args.dtype}), pools P {args.prefill_kv_blocks} / D "
+          f"{args.decode_kv_blocks} blocks, TCP, "
           f"bidirectional on; native bf16: {native_bf16()}; worker env {env_note}", flush=True)
     samples: list[dict] = []
     debug: list[dict] = []
