@@ -93,7 +93,7 @@ def _die_with_parent() -> None:
 # hold every decode batch size (<= 64 per weight shape). glibc's mmap threshold rises with every
 # freed large block (up to 32 MiB), after which activation tensors and those cache entries come
 # from the heaps and leave holes there that are never returned: D's free-but-held heap memory
-# grew to 245 MB in a 150 s soak; with the threshold fixed at its initial 128 KiB, 21 MB.
+# grew to 238 MB in a 150 s soak; with the threshold fixed at its initial 128 KiB, 21 MB.
 WORKER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256",
                        "LRU_CACHE_CAPACITY": "256", "MALLOC_MMAP_THRESHOLD_": "131072"}
 
