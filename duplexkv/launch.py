@@ -87,7 +87,15 @@ def _die_with_parent() -> None:
 # work (libgomp's default) steal those cores from the other worker: P prefilling while D
 # decodes, 2 threads each on 2 cores, ran 2.4-3.5x slower than with passive waiting, which costs
 # nothing for a worker running alone (`duplexkv bench omp_contention`). The user's setting wins.
-WORKER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# oneDNN keeps a JIT-compiled matmul per input shape in two LRU caches (its primitive cache and
+# ideep's), 1024 entries each by default: in bf16 on an AMX CPU every new prefill length adds
+# ~0.3 MB there, so a worker's RSS rose by ~600 MB before the caches filled. 256 entries still
+# hold every decode batch size (<= 64 per weight shape). glibc's mmap threshold rises with every
+# freed large block (up to 32 MiB), after which activation tensors and those cache entries come
+# from the heaps and leave holes there that are never returned: D's free-but-held heap memory
+# grew to 238 MB in a 150 s soak; with the threshold fixed at its initial 128 KiB, 21 MB.
+WORKER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256",
+                       "LRU_CACHE_CAPACITY": "256", "MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def worker_env(extra: dict | None = None) -> dict:

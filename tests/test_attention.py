@@ -10,9 +10,10 @@ from duplexkv.layers import attention
 from duplexkv.layers.staging import MirrorSet, fill_from_pool
 
 
+@pytest.mark.parametrize("step", [1, attention.SHAPE_STEP])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2)])
-@pytest.mark.parametrize("start,n", [(1, 5), (37, 11), (64, 64)])
-def test_prefix_causal_equals_masked_sdpa(heads, kv_heads, start, n):
+@pytest.mark.parametrize("start,n", [(1, 5), (37, 11), (64, 64), (100, 40)])
+def test_prefix_causal_equals_masked_sdpa(heads, kv_heads, start, n, step):
     if attention._FLASH_LSE is None:
         pytest.skip("this torch has no CPU flash kernel with log-sum-exp")
     g = torch.Generator().manual_seed(start * 100 + n)
@@ -20,7 +21,7 @@ def test_prefix_causal_equals_masked_sdpa(heads, kv_heads, start, n):
     q = torch.randn(n, heads, d, generator=g)
     k = torch.randn(1, kv_heads, start + n, d, generator=g)
     v = torch.randn(1, kv_heads, start + n, d, generator=g)
-    got = attention._prefix_causal(q, k, v, start, d ** -0.5)
+    got = attention._prefix_causal(q, k, v, start, d ** -0.5, step)
     group = heads // kv_heads
     mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)
     want = F.scaled_dot_product_attention(
@@ -28,6 +29,46 @@ def test_prefix_causal_equals_masked_sdpa(heads, kv_heads, start, n):
         attn_mask=mask, scale=d ** -0.5)[0].transpose(0, 1)
     assert got.shape == (n, heads, d)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length", [1, 31, 32, 33, 100, 530])
+def test_decode_split_at_shape_step_equals_one_call(length):
+    if attention._FLASH_LSE is None:
+        pytest.skip("this torch has no CPU flash kernel with log-sum-exp")
+    g = torch.Generator().manual_seed(length)
+    q = torch.randn(1, 2, 4, 16, generator=g)  # 2 KV heads, 4 query heads folded per group
+    k, v = (torch.randn(1, 2, length, 16, generator=g) for _ in range(2))
+    want = F.scaled_dot_product_attention(q, k, v, scale=0.25)
+    got = attention._decode(q, k, v, 0.25, attention.SHAPE_STEP)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_kernel_shapes_stay_bounded(tiny_model_dir, monkeypatch):
+    """bf16 on an AMX CPU: the flash kernel JIT-compiles code per (query, key) length pair and
+    never frees it, so RSS grew with every new length. The real engine, over 48 distinct prompt
+    lengths and their decode steps, may pass the kernel only multiples of SHAPE_STEP (and decode
+    remainders shorter than it)."""
+    if attention._FLASH_LSE is None:
+        pytest.skip("this torch has no CPU flash kernel with log-sum-exp")
+    seen: set[tuple[int, int]] = set()
+    real_sdpa, real_lse = F.scaled_dot_product_attention, attention._FLASH_LSE
+
+    def record(q, k):
+        seen.add((q.shape[-2], k.shape[-2]))
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: (record(q, k), real_sdpa(q, k, v, **kw))[1])
+    monkeypatch.setattr(attention, "_FLASH_LSE",
+                        lambda q, k, v, **kw: (record(q, k), real_lse(q, k, v, **kw))[1])
+    llm = LLM(str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=256)
+    prompts = [[(7 * i + j) % 4000 + 10 for j in range(40 + 37 * i)] for i in range(48)]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for i in range(0, 48, 4):  # a few at once: batched steps with mixed lengths
+        llm.generate(prompts[i:i + 4], sp)
+    step = attention.SHAPE_STEP
+    odd = {s for s in seen if any(n % step and n >= step for n in s)}
+    assert not odd, f"lengths not rounded to {step}: {sorted(odd)[:10]}"
+    assert len(seen) <= 150, len(seen)  # unrounded: one new pair per prompt and decode step
 
 
 def test_fill_from_pool_matches_gather_for_partial_blocks():

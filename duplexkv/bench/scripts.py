@@ -9,11 +9,12 @@ SCRIPTS = {
     "engine_vs_hf": "prefill and decode of the engine vs HF transformers",
     "router_overhead": "time and throughput the router adds (stub workers)",
     "omp_contention": "a prefill and a decode process sharing the cores",
+    "soak": "conversations through router + P + D for a given time: RSS of every process",
 }
 
 
 def run_script(name: str, argv: list[str]) -> int:
     import importlib
 
-    importlib.import_module(f"duplexkv.bench.{name}").main(argv)
-    return 0
+    code = importlib.import_module(f"duplexkv.bench.{name}").main(argv)
+    return code if isinstance(code, int) else 0

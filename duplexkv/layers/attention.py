@@ -17,6 +17,16 @@ query heads of a KV group are folded into the query-length axis, [1, KVH, G * n,
 kernel reads each KV head once and the prefix is never expanded to H heads (bf16, 1.85k new
 over 13.7k cached: 121 ms per layer against 139 ms with repeat_interleave). Only the causal
 block over the new tokens expands its (small) K/V.
+
+Bounded kernel shapes: in bf16/fp16 on CPUs with AMX the flash kernel runs on oneDNN brgemm
+micro-kernels that PyTorch JIT-compiles for every new (query block, key block) shape and keeps in
+a per-thread map that is never pruned (`cpublas` KernelCache). A server sees a new length almost
+every step, so its RSS grew without end (bench/tiny, bf16: ~0.5 MB per new shape, 1.1 GB in a
+150 s soak). Reduced-precision calls therefore only see lengths that are multiples of
+`SHAPE_STEP`: a fresh prefill pads queries and keys at the end (causal rows never see them), the
+cached prefix is split into an aligned part and a remainder that joins the causal block (dummy
+query rows in front keep it causal), and a decode step attends to the aligned prefix and the
+remainder (fewer than SHAPE_STEP keys) separately, merged by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -53,6 +63,25 @@ class AttnContext:
 _CTX: AttnContext | None = None
 # SDPA's CPU flash kernel, which also returns the log-sum-exp (None if this torch lacks it)
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+SHAPE_STEP = 32  # lengths the reduced-precision kernel sees are multiples of this (see above)
+
+
+def shape_step(dtype: torch.dtype) -> int:
+    """1 (no rounding) where the kernel keeps no per-shape code: float32 runs plain GEMMs."""
+    return SHAPE_STEP if dtype in (torch.bfloat16, torch.float16) and _FLASH_LSE else 1
+
+
+def _pad_len(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
+    """Zero rows before/after along the length axis of [B, heads, len, D]."""
+    return F.pad(x, (0, 0, before, after)) if before or after else x
+
+
+def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
+           lse2: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets, from each part's output and log-sum-exp."""
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m).unsqueeze(-1), torch.exp(lse2 - m).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
 
 
 def set_context(ctx: AttnContext) -> None:
@@ -93,22 +122,45 @@ def _fold(q: torch.Tensor, num_kv: int) -> torch.Tensor:
 
 
 def _prefix_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                   scale: float) -> torch.Tensor:
-    """Lower-right causal attention of q [n, H, D] over k/v [1, KVH, start + n, D] -> [n, H, D]."""
+                   scale: float, step: int = 1) -> torch.Tensor:
+    """Lower-right causal attention of q [n, H, D] over k/v [1, KVH, start + n, D] -> [n, H, D].
+    With `step` > 1 every length passed to the kernel is a multiple of it (module docstring)."""
     n, h, d = q.shape
     num_kv = k.shape[1]
     group = h // num_kv
-    o1, lse1 = _FLASH_LSE(_fold(q, num_kv), k[:, :, :start], v[:, :, :start], scale=scale)[:2]
-    o1, lse1 = o1.reshape(1, h, n, d), lse1.reshape(1, h, n)  # [KVH, G, n] is head-major
-    kn, vn = k[:, :, start:], v[:, :, start:]
+    aligned = start // step * step  # the prefix part without a mask; the rest joins the causal
+    rest = start - aligned
+    o1 = None
+    if aligned:
+        n_pad = -(-n // step) * step
+        qf = _fold(F.pad(q, (0, 0, 0, 0, 0, n_pad - n)) if n_pad > n else q, num_kv)
+        o1, lse1 = _FLASH_LSE(qf, k[:, :, :aligned], v[:, :, :aligned], scale=scale)[:2]
+        # [KVH, G, n_pad] is head-major
+        o1, lse1 = o1.reshape(1, h, n_pad, d)[:, :, :n], lse1.reshape(1, h, n_pad)[:, :, :n]
+    kn, vn = k[:, :, aligned:], v[:, :, aligned:]  # the prefix's remainder + the new tokens
     if group > 1:
         kn, vn = kn.repeat_interleave(group, dim=1), vn.repeat_interleave(group, dim=1)
     qh = q.transpose(0, 1).contiguous()[None]  # [1, H, n, D]
-    o2, lse2 = _FLASH_LSE(qh, kn, vn, is_causal=True, scale=scale)[:2]
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - m).unsqueeze(-1), torch.exp(lse2 - m).unsqueeze(-1)
-    o = (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+    # `rest` dummy query rows in front make upper-left causal attention lower-right
+    tail = -(-(rest + n) // step) * step - rest - n
+    o2, lse2 = _FLASH_LSE(_pad_len(qh, rest, tail), _pad_len(kn, 0, tail),
+                          _pad_len(vn, 0, tail), is_causal=True, scale=scale)[:2]
+    o2, lse2 = o2[:, :, rest : rest + n], lse2[:, :, rest : rest + n]
+    o = o2 if o1 is None else _merge(o1, lse1, o2, lse2)
     return o[0].transpose(0, 1).to(q.dtype)
+
+
+def _decode(qh: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, scale: float,
+            step: int) -> torch.Tensor:
+    """One query per head (folded: qh [1, KVH, G, D]) over sk/sv [1, KVH, L, D]; with `step` > 1
+    the keys go to the kernel as a multiple of `step` plus a remainder shorter than it."""
+    length = sk.shape[2]
+    aligned = length // step * step
+    if step == 1 or aligned in (0, length):
+        return F.scaled_dot_product_attention(qh, sk, sv, scale=scale)
+    o1, lse1 = _FLASH_LSE(qh, sk[:, :, :aligned], sv[:, :, :aligned], scale=scale)[:2]
+    o2, lse2 = _FLASH_LSE(qh, sk[:, :, aligned:], sv[:, :, aligned:], scale=scale)[:2]
+    return _merge(o1, lse1, o2, lse2).to(qh.dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
@@ -119,6 +171,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     pool[ctx.slot_blocks, layer, 1, ctx.slot_offsets] = v
     num_kv = k.shape[1]
     group = q.shape[1] // num_kv
+    step = shape_step(q.dtype)
     out = torch.empty_like(q)
     for s in ctx.seqs:
         rows = slice(s.q_start, s.q_start + s.num_new)
@@ -142,17 +195,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
         if s.num_new == 1:
             # one query: fold the query heads of a KV group into the query-length axis
             qh = q[rows].view(1, num_kv, group, -1)
-            o = F.scaled_dot_product_attention(qh, sk, sv, scale=scale)
+            o = _decode(qh, sk, sv, scale, step)
             out[rows] = o.reshape(1, -1, o.shape[-1])
         elif s.start > 0 and _FLASH_LSE is not None:
-            out[rows] = _prefix_causal(q[rows], sk, sv, s.start, scale)
+            out[rows] = _prefix_causal(q[rows], sk, sv, s.start, scale, step)
         else:
             qh = q[rows].transpose(0, 1).contiguous()[None]  # [1, H, n, D]: contiguous is
             # markedly faster in the CPU flash kernel (bf16 8k: 490 vs 660 ms per layer)
             if group > 1:  # expand KV heads: enable_gqa would take SDPA's slow math path
                 sk = sk.repeat_interleave(group, dim=1)
                 sv = sv.repeat_interleave(group, dim=1)
+            pad = -(-s.num_new // step) * step - s.num_new if s.mask is None else 0
             o = F.scaled_dot_product_attention(
-                qh, sk, sv, attn_mask=s.mask, is_causal=s.mask is None, scale=scale)
-            out[rows] = o[0].transpose(0, 1)
+                _pad_len(qh, 0, pad), _pad_len(sk, 0, pad), _pad_len(sv, 0, pad),
+                attn_mask=s.mask, is_causal=s.mask is None, scale=scale)
+            out[rows] = o[0, :, : s.num_new].transpose(0, 1)
     return out

@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from duplexkv.http import debug_memory
 from duplexkv.http.body import read_body
 from duplexkv.http.errors import APIError, model_not_found
 from duplexkv.http.limits import HeaderLimit
@@ -152,6 +153,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
                     middleware=[Middleware(HeaderLimit, max_bytes=cfg.max_header_bytes)],
                     exception_handlers={HTTPException: http_error, Exception: unexpected})
     app.state.pool, app.state.store, app.state.metrics = pool, store, metrics
+    debug_memory.add_route(app, lambda: {"store": len(getattr(store, "_entries", ()))})
     return app
 
 

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from duplexkv.engine.async_engine import AsyncEngine
+from duplexkv.http import debug_memory
 from duplexkv.http.errors import APIError, bad_request, engine_unavailable, internal_error
 from duplexkv.server.metrics import EngineSnapshot, ServerMetrics
 from duplexkv.server.serving import OpenAIServing
@@ -122,4 +123,5 @@ def build_app(aeng: AsyncEngine, served_model_name: str,
         metrics.update(not aeng.dead, await _snapshot(aeng))
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    debug_memory.add_route(app, lambda: debug_memory.worker_structures(aeng, serving))
     return app

@@ -1,0 +1,177 @@
+"""`GET /debug/memory`: what a process's memory is made of, to tell a Python reference leak from
+native growth during a soak. Off unless `DUPLEXKV_DEBUG_MEMORY=1` is set (the route is then
+added to the worker and the router); `DUPLEXKV_TRACEMALLOC=N` also starts tracemalloc with N
+frames per trace at start-up (slow: for investigations only).
+
+    rss_mb, threads, asyncio_tasks
+    structures        sizes of the process's own maps and queues (given by the app)
+    gc                objects tracked by the collector, and the most numerous types
+    malloc            glibc's mallinfo2: bytes in use, free inside the heaps, mmapped; arenas
+    tracemalloc       (when started) traced bytes and the top lines by growth since the last call
+    ?trim=1           run malloc_trim(0) first and report the RSS before and after it
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ctypes
+import ctypes.util
+import gc
+import os
+import re
+import threading
+import tracemalloc
+from collections.abc import Callable
+
+ENV = "DUPLEXKV_DEBUG_MEMORY"
+TRACE_ENV = "DUPLEXKV_TRACEMALLOC"
+_MB = 1 << 20
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "") not in ("", "0")
+
+
+def start_tracing() -> None:
+    """Start tracemalloc if `DUPLEXKV_TRACEMALLOC=N` (N frames) asks for it."""
+    frames = os.environ.get(TRACE_ENV, "")
+    if frames.isdigit() and int(frames) > 0 and not tracemalloc.is_tracing():
+        tracemalloc.start(int(frames))
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def malloc_stats() -> dict | None:
+    """glibc heap totals (MB) and the number of arenas; None off glibc."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    mi = libc.mallinfo2()
+    out = {"heap_mb": round(mi.arena / _MB, 1),  # sbrk + arena heaps taken from the system
+           "in_use_mb": round(mi.uordblks / _MB, 1),
+           "free_in_heaps_mb": round(mi.fordblks / _MB, 1),
+           "mmapped_mb": round(mi.hblkhd / _MB, 1), "mmapped_chunks": mi.hblks}
+    if hasattr(libc, "open_memstream") and hasattr(libc, "malloc_info"):
+        buf, size = ctypes.c_char_p(), ctypes.c_size_t()
+        libc.open_memstream.restype = ctypes.c_void_p
+        fp = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+        if fp:
+            libc.malloc_info(0, ctypes.c_void_p(fp))
+            libc.fclose(ctypes.c_void_p(fp))
+            xml = ctypes.string_at(buf, size.value).decode(errors="replace")
+            libc.free(buf)
+            out["arenas"] = len(re.findall(r"<heap nr=", xml))
+    return out
+
+
+def malloc_trim() -> bool:
+    libc = _libc()
+    return bool(libc is not None and libc.malloc_trim(0))
+
+
+def gc_summary(top: int = 15) -> dict:
+    counts = collections.Counter(type(o).__name__ for o in gc.get_objects())
+    return {"objects": sum(counts.values()), "top_types": dict(counts.most_common(top))}
+
+
+_last_snapshot: tracemalloc.Snapshot | None = None
+_snap_lock = threading.Lock()
+
+
+def tracemalloc_summary(top: int = 15) -> dict | None:
+    """Traced totals and the lines that grew most since the previous call."""
+    global _last_snapshot
+    if not tracemalloc.is_tracing():
+        return None
+    with _snap_lock:
+        snap = tracemalloc.take_snapshot().filter_traces(
+            (tracemalloc.Filter(False, tracemalloc.__file__),))
+        cur, peak = tracemalloc.get_traced_memory()
+        stats = (snap.compare_to(_last_snapshot, "lineno") if _last_snapshot is not None
+                 else snap.statistics("lineno"))
+        _last_snapshot = snap
+    growth = [{"where": str(s.traceback[0]), "size_kb": round(s.size / 1024, 1),
+               "diff_kb": round(getattr(s, "size_diff", s.size) / 1024, 1),
+               "count": s.count, "count_diff": getattr(s, "count_diff", s.count)}
+              for s in sorted(stats, key=lambda s: getattr(s, "size_diff", s.size),
+                              reverse=True)[:top]]
+    return {"traced_mb": round(cur / _MB, 1), "peak_mb": round(peak / _MB, 1),
+            "top_growth": growth}
+
+
+def report(structures: Callable[[], dict] | None = None, trim: bool = False) -> dict:
+    """The whole answer of /debug/memory (call on the event loop thread)."""
+    out: dict = {"rss_mb": round(rss_mb(), 1)}
+    if trim:
+        gc.collect()
+        out["trimmed"] = malloc_trim()
+        out["rss_before_trim_mb"], out["rss_mb"] = out["rss_mb"], round(rss_mb(), 1)
+    out["threads"] = threading.active_count()
+    try:
+        out["asyncio_tasks"] = len(asyncio.all_tasks())
+    except RuntimeError:
+        pass
+    if structures is not None:
+        out["structures"] = structures()
+    out["gc"] = gc_summary()
+    out["malloc"] = malloc_stats()
+    out["tracemalloc"] = tracemalloc_summary()
+    return out
+
+
+def add_route(app, structures: Callable[[], dict] | None = None) -> None:
+    """Add `GET /debug/memory` to a Starlette/FastAPI app when `DUPLEXKV_DEBUG_MEMORY` is set."""
+    if not enabled():
+        return
+    from starlette.responses import JSONResponse
+
+    start_tracing()
+
+    async def debug_memory(request) -> JSONResponse:
+        trim = request.query_params.get("trim", "") not in ("", "0")
+        return JSONResponse(report(structures, trim))
+
+    app.add_route("/debug/memory", debug_memory, methods=["GET"])
+
+
+def worker_structures(aeng, serving) -> dict:
+    """Sizes of a worker's per-request maps, caches and queues (read without locks: lengths)."""
+    e = aeng.engine
+    seg = e.tokenizer.segments
+    out = {"engine.requests": len(e.requests), "scheduler.waiting": len(e.scheduler.waiting),
+           "scheduler.running": len(e.scheduler.running),
+           "scheduler.parked": len(e.scheduler.parked), "async.streams": len(aeng._streams),
+           "serving.in_flight": len(serving.ids.in_flight),
+           "prefix_cache.hashes": len(e.bm.hash_to_block),
+           "segments.entries": len(seg._cache), "segments.chars": seg._chars,
+           "mirrors": len(e.runner.mirrors.mirrors),
+           "mirrors.mb": round(e.runner.mirrors.used_bytes / _MB, 1)}
+    conn = getattr(aeng.on_add, "__self__", None)  # the KV connector, when attached
+    if conn is not None:
+        t = conn.transport
+        out.update({"kv.pulls": len(conn.pulls), "kv.req_params": len(conn.req_params),
+                    "kv.peers": len(conn.peers), "kv.orphans": len(conn.orphans),
+                    "kv.retained": len(conn.retained),
+                    "kv.links": len(getattr(t, "_links", {}))})
+    return out
