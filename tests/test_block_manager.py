@@ -141,3 +141,28 @@ def test_scheduler_random_workload_finishes_with_integrity(seed):
     assert not sched.has_work
     assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
     assert bm.counts().in_use == 0
+
+
+def test_remote_kv_does_not_starve_older_waiting_requests():
+    """Remote KV reserved blocks as soon as a pull was verified, past the waiting queue, and a
+    declined pull went back to the queue's front: under pressure the oldest request waited behind
+    every newer one (a 10-minute soak had 18 requests time out after 300 s). Now a younger pull
+    may not take blocks while an older request is blocked, and resumed requests keep their
+    arrival order."""
+    bm = BlockManager(8, BS, False, b"s")
+    sched = Scheduler(bm, max_num_batched_tokens=1024, max_num_seqs=8)
+    hog = make_seq(0, range(5 * BS))  # runs and holds 5 of 8 blocks
+    sched.add(hog)
+    assert [x.seq for x in sched.schedule()] == [hog]
+    old = make_seq(1, range(100, 100 + 4 * BS))  # needs 4: blocked behind the hog
+    sched.add(old)
+    young = make_seq(2, range(200, 200 + 2 * BS))  # arrives later, pulls remote KV
+    sched.park_for_remote_kv(young)
+    assert sched.schedule()[0].seq is hog  # hog decodes; old cannot be admitted
+    assert sched.blocked_head is old
+    assert sched.reserve_for_remote_kv(young, 2 * BS) is None  # would have fit: 3 blocks free
+    sched.resume(young)  # declined: recompute, in arrival order behind `old`
+    assert list(sched.waiting) == [old, young]
+    sched.finish(hog, "stop")
+    batch = [x.seq for x in sched.schedule()]
+    assert batch[0] is old

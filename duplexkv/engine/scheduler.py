@@ -42,6 +42,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.parked: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV
+        # the oldest waiting sequence when the last schedule() could not give it blocks: remote
+        # KV for younger sequences may not take blocks past it (it would starve)
+        self.blocked_head: Sequence | None = None
         self.num_preemptions = 0
         # frees blocks held for other nodes when live work needs room; returns blocks released
         self.reclaim: Callable[[int], int] | None = None
@@ -84,12 +87,14 @@ class Scheduler:
                 continue
             break  # seq itself was preempted; nothing after it is left
         # then admit waiting sequences in order
+        self.blocked_head = None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
                 self.apply_prefix_hit(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self._allocate(seq, seq.num_computed_tokens + n):
+                self.blocked_head = seq
                 if seq.status is SeqStatus.WAITING and seq.num_hashed_blocks == seq.num_blocks:
                     self.bm.free(seq)  # do not hold prefix hits while queued
                     seq.num_computed_tokens = 0
@@ -145,6 +150,10 @@ class Scheduler:
         """Blocks for a parked `seq`'s first `num_tokens` tokens (reclaiming blocks held for
         other workers if needed): the new block table, or None when there is no room."""
         assert seq.request_id in self.parked, "reserve for a sequence that is not parked"
+        head = self.blocked_head
+        if head is not None and head.arrival_time <= seq.arrival_time \
+                and head.status is SeqStatus.WAITING:
+            return None  # an older request waits for blocks: first come, first served
         return list(seq.block_table) if self._allocate(seq, num_tokens) else None
 
     def resume(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
@@ -157,7 +166,16 @@ class Scheduler:
         assert num_computed_tokens <= seq.num_blocks * self.bm.block_size
         seq.num_computed_tokens = num_computed_tokens
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue_by_arrival(seq)
+
+    def _enqueue_by_arrival(self, seq: Sequence) -> None:
+        """Back into the queue at its arrival position, so that requests resumed after a pull
+        neither jump nor fall behind the others."""
+        for i, other in enumerate(self.waiting):
+            if other.arrival_time > seq.arrival_time:
+                self.waiting.insert(i, seq)
+                return
+        self.waiting.append(seq)
 
     def refs_held(self) -> dict[int, int]:
         """Block -> number of references held by live sequences (for integrity checks)."""
