@@ -3,6 +3,8 @@
     POST /v1/completions, /v1/chat/completions   (serving.OpenAIServing)
     GET  /v1/models, /health, /metrics, /debug/engine
 
+With `api_keys`, every path but /health and /metrics needs one of them (`duplexkv.http.auth`).
+
 Request bodies are read raw and validated by `protocol`, so client mistakes are 400s in OpenAI's
 error shape (never FastAPI's 422); a dead engine thread gives 503.
 """
@@ -20,6 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from duplexkv.engine.async_engine import AsyncEngine
+from duplexkv.http.auth import APIKeyAuth
 from duplexkv.http.errors import APIError, bad_request, engine_unavailable, internal_error
 from duplexkv.server.metrics import EngineSnapshot, ServerMetrics
 from duplexkv.server.serving import OpenAIServing
@@ -47,9 +50,11 @@ def default_max_request_bytes(max_model_len: int) -> int:
 
 def build_app(aeng: AsyncEngine, served_model_name: str,
               health_extra: Callable[[], dict] | None = None,
-              collectors: tuple = (), max_request_bytes: int | None = None) -> FastAPI:
+              collectors: tuple = (), max_request_bytes: int | None = None,
+              api_keys: tuple[str, ...] = ()) -> FastAPI:
     """The app for one engine; `health_extra()` adds fields to /health (e.g. the KV layer's)."""
     app = FastAPI(title="duplexkv worker", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(APIKeyAuth, keys=api_keys)
     metrics = ServerMetrics(served_model_name)
     for collector in collectors:  # e.g. the KV connector's
         metrics.registry.register(collector)
@@ -83,7 +88,7 @@ def build_app(aeng: AsyncEngine, served_model_name: str,
     @app.get("/v1/models")
     async def models() -> Response:
         card = {"id": served_model_name, "object": "model", "created": created,
-                "owned_by": "duplexkv", "root": str(aeng.engine.model_dir), "parent": None,
+                "owned_by": "duplexkv", "root": served_model_name, "parent": None,
                 "max_model_len": aeng.engine.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
