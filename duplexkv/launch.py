@@ -91,9 +91,11 @@ WORKER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def worker_env(extra: dict | None = None) -> dict:
-    """A worker's environment: the defaults above, then ours, loopback UCX unless set, `extra`."""
-    return {**WORKER_ENV_DEFAULTS, **os.environ,
-            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(extra or {})}
+    """A worker's environment: the defaults above, then ours, loopback UCX unless set, `extra`
+    (a None value there removes the variable)."""
+    env = {**WORKER_ENV_DEFAULTS, **os.environ,
+           "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(extra or {})}
+    return {k: v for k, v in env.items() if v is not None}
 
 
 def spawn(name: str, args: list[str], log_dir: Path, env: dict | None = None,
