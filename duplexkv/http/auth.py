@@ -23,7 +23,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from duplexkv.http.errors import APIError
 
-API_KEY_ENV = "DUPLEXKV_API_KEY"
+API_KEY_ENV = "DUPLEXKV_API_KEY"  # a worker's or a router's client keys
+WORKER_API_KEY_ENV = "DUPLEXKV_WORKER_API_KEY"  # the key a router sends to its workers
 OPEN_PATHS = frozenset(("/health", "/metrics"))
 _SCOPE_KEY = "duplexkv.api_key"
 

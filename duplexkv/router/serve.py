@@ -8,10 +8,8 @@ import logging
 import os
 import sys
 
-from duplexkv.http.auth import API_KEY_ENV, check_key, keys_from
+from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, check_key, keys_from
 from duplexkv.router.config import DEFAULT_CONVERSATION_TTL_S, RouterConfig
-
-WORKER_API_KEY_ENV = "DUPLEXKV_WORKER_API_KEY"
 
 log = logging.getLogger("duplexkv.router")
 
