@@ -48,6 +48,7 @@ def keys_from(flags: Iterable[str] | None, env_name: str = API_KEY_ENV,
     (comma-separated); surrounding spaces are dropped, duplicates kept once."""
     given = list(flags or ())
     raw = given if given else (os.environ.get(env_name) or "").split(",")
+    what = what if given else f"${env_name}"
     keys = [k.strip() for k in raw]
     if given and not all(keys):
         raise ValueError(f"{what}: a key must be non-empty printable ASCII without spaces")

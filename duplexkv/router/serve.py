@@ -84,8 +84,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
 
 def worker_key(flag: str | None) -> str | None:
-    key = flag if flag is not None else (os.environ.get(WORKER_API_KEY_ENV) or "").strip()
-    return check_key(key.strip(), "--worker-api-key") if key or flag is not None else None
+    """--worker-api-key, else $DUPLEXKV_WORKER_API_KEY, else None (no key on the legs)."""
+    key = flag if flag is not None else os.environ.get(WORKER_API_KEY_ENV, "").strip() or None
+    return None if key is None else check_key(key.strip(), "--worker-api-key")
 
 
 def run_router(args: argparse.Namespace) -> int:
