@@ -11,6 +11,7 @@ import ctypes
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV
 
 READY = re.compile(r"(?:serving .* on|router listening on) (http://[\w.\-\[\]:]+:\d+)")
 
@@ -99,20 +102,25 @@ WORKER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "ONEDNN_PRIMITIVE_CACHE_CAP
 
 
 def worker_env(extra: dict | None = None) -> dict:
-    """A worker's environment: the defaults above, then ours, loopback UCX unless set, `extra`."""
-    return {**WORKER_ENV_DEFAULTS, **os.environ,
-            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(extra or {})}
+    """A worker's environment: the defaults above, then ours, loopback UCX unless set, `extra`
+    (a None value there removes the variable)."""
+    env = {**WORKER_ENV_DEFAULTS, **os.environ,
+           "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(extra or {})}
+    return {k: v for k, v in env.items() if v is not None}
 
 
 def spawn(name: str, args: list[str], log_dir: Path, env: dict | None = None,
           die_with_parent: bool = False) -> Proc:
     """Start `duplexkv ARGS` in its own session (a terminal's Ctrl-C goes to the launcher only).
-    `die_with_parent` ties the child to the calling thread's life: spawn from the main thread."""
+    `die_with_parent` ties the child to the calling thread's life: spawn from the main thread.
+    API key variables are not inherited: a child gets keys only through `env`."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     cmd = [sys.executable, "-m", "duplexkv.cli", *args]
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=worker_env(env),
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                env=worker_env({API_KEY_ENV: None, WORKER_API_KEY_ENV: None,
+                                                **(env or {})}),
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=_die_with_parent if die_with_parent else None)
     return Proc(name, proc, log)
@@ -169,6 +177,11 @@ class ClusterSpec:
     prefill_args: tuple[str, ...] = ()  # ... for prefill workers only (the benchmark passes
     decode_args: tuple[str, ...] = ()  # --no-enable-prefix-caching, as in AWS's evaluation)
     log_dir: Path | None = None  # default: a new temporary directory
+    # API keys, passed to the processes by environment (never on a command line or in a log):
+    # the router's client keys, and the key between the router and the workers (default with
+    # client keys: a random one made at start; with neither, everything runs without keys)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    worker_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -207,8 +220,8 @@ class Cluster:
     def procs(self) -> list[Proc]:
         return [*self.workers, *([self.router] if self.router else [])]
 
-    def _spawn(self, name: str, args: list[str]) -> Proc:
-        p = spawn(name, args, self.log_dir, die_with_parent=True)
+    def _spawn(self, name: str, args: list[str], env: dict) -> Proc:
+        p = spawn(name, args, self.log_dir, env, die_with_parent=True)
         self.on_event(f"started {name} (pid {p.proc.pid}, log {p.log})")
         return p
 
@@ -218,18 +231,22 @@ class Cluster:
 
         resolve_model(s.model)  # a preset is made once here, not raced by every worker
         kv = bidirectional_kv(s.connector, s.bidirectional)
+        worker_key = s.worker_api_key or (secrets.token_urlsafe(24) if s.api_keys else None)
+        worker_env = {API_KEY_ENV: worker_key, WORKER_API_KEY_ENV: None}  # None: unset
+        router_env = {API_KEY_ENV: ",".join(s.api_keys) or None, WORKER_API_KEY_ENV: worker_key}
         try:
             for role, n in (("prefill", s.prefill), ("decode", s.decode)):
                 for i in range(n):
                     extra = [*s.worker_args, *(s.prefill_args if role == "prefill"
                                                else s.decode_args)]
                     self.workers.append(self._spawn(f"{role}-{i}", worker_args(s.model, kv,
-                                                                               *extra)))
+                                                                               *extra),
+                                                    worker_env))
             wait_ready(self.workers, timeout_s)
             self.router = self._spawn("router", [
                 "router", "--host", s.host, "--port", str(s.port), "--store", s.store,
                 "--prefill", *(p.url for p in self.prefill),
-                "--decode", *(d.url for d in self.decode)])
+                "--decode", *(d.url for d in self.decode)], router_env)
             wait_ready([self.router], timeout_s)
         except BaseException:
             self.stop()

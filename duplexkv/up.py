@@ -2,7 +2,8 @@
 
 Workers take free ports; the router takes --port (default 8000, or a free port when 8000 is
 taken). Every process logs to its own file. A process that fails to start (or dies later) stops
-the whole cluster and its log's last lines are printed.
+the whole cluster and its log's last lines are printed. With --api-key (or $DUPLEXKV_API_KEY) the
+router requires a key and the workers one of their own (--worker-api-key, or a random one).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from pathlib import Path
 
 import httpx
 
+from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, keys_from
 from duplexkv.kv.config import CONNECTORS
 from duplexkv.launch import Cluster, ClusterSpec, LaunchError
+from duplexkv.router.serve import worker_key
 
 DEFAULT_PORT = 8000
 
@@ -54,6 +57,12 @@ def add_up(sub: argparse._SubParsersAction) -> None:
                    help="conversation store: memory (default) or redis://host:port/db")
     p.add_argument("--no-bidirectional", dest="bidirectional", action="store_false",
                    help="plain P->D disaggregation: no D->P reuse of a conversation's history")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help=f"the router's client key, repeatable (default: ${API_KEY_ENV}, "
+                        "comma-separated; else none)")
+    p.add_argument("--worker-api-key", default=None, metavar="KEY",
+                   help=f"the workers' key, sent by the router (default: ${WORKER_API_KEY_ENV}; "
+                        "else a random one when the router has keys, none otherwise)")
     p.set_defaults(run=run_up)
 
 
@@ -98,20 +107,29 @@ def stop_quietly(cluster: Cluster) -> None:
             signal.signal(s, h)
 
 
-def served_model(url: str) -> str:
+def auth_headers(key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
+def served_model(url: str, key: str | None = None) -> str:
     try:
-        return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        return httpx.get(url + "/v1/models", timeout=10,
+                         headers=auth_headers(key)).json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError):
         return "default"
 
 
-def examples(url: str, model: str) -> str:
+def examples(url: str, model: str, keyed: bool = False) -> str:
+    """Copy-paste examples; with keys they read the key from $DUPLEXKV_API_KEY (never printed)."""
     body = {"model": model, "messages": [{"role": "user", "content": "Hello! What can you do?"}],
             "max_tokens": 32}
-    curl = (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+    auth = f"-H \"Authorization: Bearer ${API_KEY_ENV}\" " if keyed else ""
+    curl = (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' {auth}"
             f"-H 'X-Session-ID: my-conversation' \\\n  -d {shlex.quote(json.dumps(body))}")
-    py = (f'from openai import OpenAI\n'
-          f'client = OpenAI(base_url="{url}/v1", api_key="none")\n'
+    key = f'os.environ["{API_KEY_ENV}"]' if keyed else '"none"'
+    py = (('import os\n' if keyed else '') +
+          f'from openai import OpenAI\n'
+          f'client = OpenAI(base_url="{url}/v1", api_key={key})\n'
           f'r = client.chat.completions.create(\n'
           f'    model="{model}", max_tokens=32,\n'
           f'    messages=[{{"role": "user", "content": "Hello! What can you do?"}}],\n'
@@ -125,8 +143,10 @@ def run_up(args: argparse.Namespace) -> int:
     port = args.port
     if port is None:
         port = DEFAULT_PORT if port_free(args.host, DEFAULT_PORT) else 0
+    keys = keys_from(args.api_key)
     spec = spec_from_args(args, prefill=args.prefill, decode=args.decode, host=args.host,
-                          port=port, store=args.store, bidirectional=args.bidirectional)
+                          port=port, store=args.store, bidirectional=args.bidirectional,
+                          api_keys=keys, worker_api_key=worker_key(args.worker_api_key))
     cluster = Cluster(spec, on_event=lambda msg: print(msg, flush=True))
     print(f"starting {spec.prefill} prefill + {spec.decode} decode worker(s) of {spec.model} "
           f"and a router; logs in {cluster.log_dir}", flush=True)
@@ -134,14 +154,16 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         with signals_as_shutdown():
             cluster.start()
-            model = served_model(cluster.url)
+            model = served_model(cluster.url, keys[0] if keys else None)
             print(f"\nduplexkv is up in {time.monotonic() - t0:.0f}s: router {cluster.url}  "
                   f"(model {model!r}, bidirectional KV "
-                  f"{'on' if spec.bidirectional else 'off'})")
+                  f"{'on' if spec.bidirectional else 'off'}"
+                  f"{f', {len(keys)} API key(s) required' if keys else ''})")
             for w in cluster.workers:
                 print(f"  {w.name:10s} {w.url}  pid {w.proc.pid}")
             print(f"  {'router':10s} {cluster.url}  pid {cluster.router.proc.pid}")
-            print(f"\n{examples(cluster.url, model)}\n\nPress Ctrl-C to stop.", flush=True)
+            print(f"\n{examples(cluster.url, model, bool(keys))}\n\nPress Ctrl-C to stop.",
+                  flush=True)
             while (dead := cluster.dead()) is None:
                 time.sleep(0.5)
             print(f"duplexkv: error: {dead.name} exited with code {dead.proc.returncode}; "

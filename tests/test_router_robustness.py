@@ -186,12 +186,12 @@ def test_request_ids_are_sanitised_and_kept_when_safe(router):
     assert re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", r.headers["x-request-id"])
 
 
-def test_non_ascii_authorization_is_a_400(router):
-    # found by the fuzz suite: forwarding it to a worker failed (a 503 naming the worker)
+def test_non_ascii_authorization_is_never_forwarded(router):
+    # found by the fuzz suite when the router forwarded it (a 503 naming the worker); now the
+    # router sends the workers its own key or none, and without router keys ignores the header
     r = post_raw(router.url + CHAT, json.dumps(chat_body()).encode(),
                  headers={"authorization": "Bearer caf\u00e9".encode("latin-1")})
-    err = assert_openai_error(r, 400)
-    assert "Authorization" in err["message"], err
+    assert r.status_code == 200, r.text
 
 
 # --- the breaker on its own ---------------------------------------------------------------

@@ -264,3 +264,28 @@ def test_workloads(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert a.turns[0].answer_tokens == len(tok.encode("hi " * 20))
     assert a.turns[1].text == "tool output\n\nand a question"
     assert a.turns[1].answer_tokens == 128 and len(b.turns) == 1
+
+
+def test_cluster_with_api_keys_passes_them_by_environment(tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """`up`/`demo`/`bench` launch through Cluster: with client keys the router requires one, the
+    workers require a random key of their own that only the router holds, and no key is on a
+    command line or in a log."""
+    key = "sk-cluster-client-3c9d"
+    spec = ClusterSpec(model=str(tiny_model_dir), worker_args=("--dtype", "float32"),
+                       log_dir=tmp_path, api_keys=(key,))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with Cluster(spec) as cluster:
+        chat = cluster.url + "/v1/chat/completions"
+        assert httpx.post(chat, json=body, timeout=60).status_code == 401
+        ok = httpx.post(chat, json=body, timeout=60, headers={"authorization": f"Bearer {key}"})
+        assert ok.status_code == 200, ok.text
+        for w in cluster.workers:
+            assert httpx.get(w.url + "/health", timeout=30).status_code == 200
+            for auth in ({}, {"authorization": f"Bearer {key}"}):
+                assert httpx.get(w.url + "/v1/models", headers=auth,
+                                 timeout=30).status_code == 401
+        for p in cluster.procs:
+            assert key not in Path(f"/proc/{p.proc.pid}/cmdline").read_text()
+    for log in tmp_path.glob("*.log"):
+        assert key not in log.read_text(errors="replace"), log

@@ -18,6 +18,7 @@ import pytest
 from duplexkv.launch import worker_env
 
 DUPLEXKV = str(Path(sys.executable).parent / "duplexkv")
+NO_KEYS = {"DUPLEXKV_API_KEY": None, "DUPLEXKV_WORKER_API_KEY": None}  # None: unset (worker_env)
 MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -99,15 +100,18 @@ class Worker:
 
 
 def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = None,
-                 timeout_s: float = 120, dtype: str | None = "float32") -> Worker:
-    """`dtype=None` leaves --dtype out: the worker runs its default (bfloat16)."""
+                 timeout_s: float = 120, dtype: str | None = "float32",
+                 env: dict | None = None) -> Worker:
+    """`dtype=None` leaves --dtype out: the worker runs its default (bfloat16). `env` adds to the
+    environment; an API key variable inherited from the caller's is dropped unless given here."""
     cmd = [DUPLEXKV, "serve", str(model), "--host", "127.0.0.1", "--port", "0",
            *(("--dtype", dtype) if dtype else ()), *args]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                env=worker_env({"UCX_NET_DEVICES": "lo"}))
+                                env=worker_env({"UCX_NET_DEVICES": "lo", **NO_KEYS,
+                                                **(env or {})}))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         m = re.search(r"serving .* on (http://[\d.]+:\d+)", log.read_text(errors="replace"))
@@ -120,15 +124,17 @@ def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = Non
     raise TimeoutError(f"worker not ready after {timeout_s}s:\n{log.read_text()}")
 
 
-def start_p_and_d(model: str | Path, tmp: Path, *args: str, kv: dict) -> tuple[Worker, Worker]:
+def start_p_and_d(model: str | Path, tmp: Path, *args: str, kv: dict, p_args: tuple = (),
+                  d_args: tuple = (), p_env: dict | None = None,
+                  d_env: dict | None = None) -> tuple[Worker, Worker]:
     """A P (without a local prefix cache, as in the reference evaluation: every reused token is
-    pulled) and a D, started at once."""
+    pulled) and a D, started at once; `p_args`/`d_args` and `p_env`/`d_env` are for one of them."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as pool:
         p = pool.submit(start_worker, model, tmp / "p.log", *args, "--no-enable-prefix-caching",
-                        kv=kv)
-        d = pool.submit(start_worker, model, tmp / "d.log", *args, kv=kv)
+                        *p_args, kv=kv, env=p_env)
+        d = pool.submit(start_worker, model, tmp / "d.log", *args, *d_args, kv=kv, env=d_env)
         return p.result(), d.result()
 
 

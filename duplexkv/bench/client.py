@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import httpx
 
@@ -28,6 +28,7 @@ class Target:
     model: str
     send_conversation_id: bool  # what turns reuse on at the router
     tag: str = ""  # makes conversation ids unique per run
+    api_key: str | None = field(default=None, repr=False)  # sent as a bearer token
 
 
 @dataclass(slots=True)
@@ -92,7 +93,7 @@ async def chat_turn(client: httpx.AsyncClient, target: Target, messages: list[di
     body = {"model": target.model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    headers = {}
+    headers = {"authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     if target.send_conversation_id:
         body["conversation_id"] = conversation_id
         headers["X-Session-ID"] = conversation_id

@@ -32,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from duplexkv.bench import report
 from duplexkv.bench.client import Result, Runner, Target
 from duplexkv.bench.scripts import SCRIPTS
-from duplexkv.bench.targets import BenchError, check_target, phases
+from duplexkv.bench.targets import BenchError, check_target, client_key, phases
 from duplexkv.bench.workload import (
     DEFAULT_SIZES,
     Conversation,
@@ -124,7 +124,7 @@ def run_modes(cfg: BenchConfig, console: Console, convs: list[Conversation],
                             progress.update(task, last=f"context {r.context_tokens:,}  "
                                                        f"TTFT {r.ttft_ms:,.0f} ms")
 
-                    target = Target(mode, url, model, mode == "on", tag)
+                    target = Target(mode, url, model, mode == "on", tag, client_key())
                     runner = Runner(target, cfg.clients, cfg.idle_s, on_result)
                     if cfg.warmup:
                         warm = [replace(c, id="warmup")

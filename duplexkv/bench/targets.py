@@ -1,5 +1,8 @@
 """Where the benchmark sends its requests: a given router/worker URL (checked first), or a
-cluster and a single worker it launches itself, one after the other."""
+cluster and a single worker it launches itself, one after the other.
+
+The API key, if any, comes from $DUPLEXKV_API_KEY only (its first key), never from a flag: the
+command line is recorded in results.json. The client sends it; launched targets require it."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, keys_from
 from duplexkv.launch import Cluster, ClusterSpec, spawn, stop_all, wait_ready, worker_args
 from duplexkv.model.registry import resolve_model
 
@@ -22,11 +26,21 @@ class BenchError(ValueError):
     """The target is unreachable or misconfigured (one clear CLI error line)."""
 
 
+def client_key() -> str | None:
+    keys = keys_from(None)
+    return keys[0] if keys else None
+
+
+def auth_headers() -> dict[str, str]:
+    key = client_key()
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 def check_target(url: str, what: str) -> str:
     """The served model's name; BenchError when `url` is not a healthy duplexkv/vLLM server."""
     try:
         health = httpx.get(url + "/health", timeout=10)
-        models = httpx.get(url + "/v1/models", timeout=10)
+        models = httpx.get(url + "/v1/models", timeout=10, headers=auth_headers())
     except httpx.HTTPError as e:
         raise BenchError(f"cannot reach the {what} at {url} ({e!r}); start one with `duplexkv "
                          f"up` or omit --url to let the benchmark launch its own") from None
@@ -49,7 +63,8 @@ def given(url: str, what: str) -> Iterator[tuple[str, str]]:
 def launched_cluster(cfg: BenchConfig, log: Log) -> Iterator[tuple[str, str]]:
     spec = ClusterSpec(model=cfg.model, connector=cfg.connector,
                        prefill_args=("--no-enable-prefix-caching",),
-                       worker_args=cfg.worker_flags, log_dir=cfg.output_dir / "logs")
+                       worker_args=cfg.worker_flags, log_dir=cfg.output_dir / "logs",
+                       api_keys=keys_from(None)[:1])
     with Cluster(spec, on_event=log) as cluster:
         log(f"cluster up: router {cluster.url} (1 P without prefix caching, 1 D)")
         yield cluster.url, check_target(cluster.url, "router")
@@ -59,7 +74,7 @@ def launched_cluster(cfg: BenchConfig, log: Log) -> Iterator[tuple[str, str]]:
 def launched_worker(cfg: BenchConfig, log: Log) -> Iterator[tuple[str, str]]:
     resolve_model(cfg.model)
     w = spawn("ideal", worker_args(cfg.model, None, *cfg.worker_flags), cfg.output_dir / "logs",
-              die_with_parent=True)
+              {API_KEY_ENV: client_key(), WORKER_API_KEY_ENV: None}, die_with_parent=True)
     try:
         wait_ready([w])
         log(f"single worker up: {w.url} (prefix caching on)")

@@ -153,25 +153,3 @@ def add_route(app, structures: Callable[[], dict] | None = None) -> None:
         return JSONResponse(report(structures, trim))
 
     app.add_route("/debug/memory", debug_memory, methods=["GET"])
-
-
-def worker_structures(aeng, serving) -> dict:
-    """Sizes of a worker's per-request maps, caches and queues (read without locks: lengths)."""
-    e = aeng.engine
-    seg = e.tokenizer.segments
-    out = {"engine.requests": len(e.requests), "scheduler.waiting": len(e.scheduler.waiting),
-           "scheduler.running": len(e.scheduler.running),
-           "scheduler.parked": len(e.scheduler.parked), "async.streams": len(aeng._streams),
-           "serving.in_flight": len(serving.ids.in_flight),
-           "prefix_cache.hashes": len(e.bm.hash_to_block),
-           "segments.entries": len(seg._cache), "segments.chars": seg._chars,
-           "mirrors": len(e.runner.mirrors.mirrors),
-           "mirrors.mb": round(e.runner.mirrors.used_bytes / _MB, 1)}
-    conn = getattr(aeng.on_add, "__self__", None)  # the KV connector, when attached
-    if conn is not None:
-        t = conn.transport
-        out.update({"kv.pulls": len(conn.pulls), "kv.req_params": len(conn.req_params),
-                    "kv.peers": len(conn.peers), "kv.orphans": len(conn.orphans),
-                    "kv.retained": len(conn.retained),
-                    "kv.links": len(getattr(t, "_links", {}))})
-    return out

@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from duplexkv.http import debug_memory
+from duplexkv.http.auth import APIKeyAuth, api_key_of
 from duplexkv.http.body import read_body
 from duplexkv.http.errors import APIError, model_not_found
 from duplexkv.http.limits import HeaderLimit
@@ -76,7 +77,8 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
         proxy: Proxy = state["proxy"]
         try:
             raw = await read_body(request, cfg.max_request_bytes)
-            req = parse_client_request(raw, request.headers, kind, cfg.max_json_depth)
+            req = parse_client_request(raw, request.headers, kind, cfg.max_json_depth,
+                                       api_key_of(request.scope))
             models = pool.models()
             if req.model is not None and models and req.model not in models:
                 raise model_not_found(req.model)
@@ -150,10 +152,14 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
               Route("/health", health, methods=["GET"]),
               Route("/metrics", prometheus, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(HeaderLimit, max_bytes=cfg.max_header_bytes)],
+                    middleware=[Middleware(HeaderLimit, max_bytes=cfg.max_header_bytes),
+                                Middleware(APIKeyAuth, keys=cfg.api_keys)],
                     exception_handlers={HTTPException: http_error, Exception: unexpected})
     app.state.pool, app.state.store, app.state.metrics = pool, store, metrics
     debug_memory.add_route(app, lambda: {"store": len(getattr(store, "_entries", ()))})
+    app.state.auth_summary = (f"{len(cfg.api_keys)} client API key(s)" if cfg.api_keys else
+                              "no client API key") + (", a worker API key" if cfg.worker_api_key
+                                                      else ", no worker API key")
     return app
 
 

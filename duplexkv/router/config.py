@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 DEFAULT_CONVERSATION_TTL_S = 450.0  # vLLM's sample proxy: below D's decoder_kv_blocks_ttl (480 s)
@@ -47,6 +47,14 @@ class RouterConfig:
     # the store (turns run as misses) for this long after a failure before one call probes it
     store_timeout_s: float = 0.5
     store_breaker_period_s: float = 5.0
+    # API keys (never in a repr or a log): the clients' (none: the router is open and conversation
+    # ids are shared by every client), and the one the router sends to the workers (none: no
+    # Authorization header on the legs, never the client's)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    worker_api_key: str | None = field(default=None, repr=False)
+
+    def worker_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.worker_api_key}"} if self.worker_api_key else {}
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:

@@ -86,6 +86,7 @@ class Proxy:
     def __init__(self, cfg: RouterConfig, pool: BackendPool, store: ConversationStore,
                  metrics: RouterMetrics, upstream: Upstream) -> None:
         self.cfg, self.pool, self.metrics, self.upstream = cfg, pool, metrics, upstream
+        self.worker_headers = cfg.worker_headers()  # never the client's Authorization
         self.conversations = Conversations(store, metrics, cfg.rewrite_remote_host)
 
     def new_turn(self, req: ClientRequest, arrival: float) -> Turn:
@@ -106,10 +107,8 @@ class Proxy:
 
     # upstream calls
     def _headers(self, turn: Turn) -> dict[str, str]:
-        h = {"content-type": "application/json", "x-request-id": turn.request_id}
-        if turn.req.authorization:
-            h["authorization"] = turn.req.authorization
-        return h
+        return {"content-type": "application/json", "x-request-id": turn.request_id,
+                **self.worker_headers}
 
     async def _send(self, b: Backend, turn: Turn, body: dict, stream: bool = False
                     ) -> httpx.Response:

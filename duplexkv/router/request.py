@@ -9,7 +9,10 @@ Before any of that the body must be strict JSON the router can pass on (issue 10
 Infinity (nor a number that overflows to it), no integer too long to convert, at most `max_depth`
 levels of nesting, and valid Unicode in every key and string (a lone surrogate escape such as
 `"\\ud800"` decodes to a str that cannot be encoded again). Each is a 400 that names the field,
-never the offending value. The Authorization header, forwarded to the workers, must be ASCII.
+never the offending value.
+
+The client's Authorization header is checked by `duplexkv.http.auth` (when the router has keys)
+and never forwarded: the legs carry the router's own worker key, if any.
 """
 
 from __future__ import annotations
@@ -36,13 +39,10 @@ class ClientRequest:
     stream: bool
     model: str | None
     conversation_id: str | None
-    authorization: str | None  # forwarded to the workers as it is
+    # the router key this request authenticated with: the namespace of its conversations; None
+    # when the router has no keys (one namespace shared by every client)
+    api_key: str | None
     request_id: str | None  # the client's X-Request-Id, if any
-
-    @property
-    def api_key(self) -> str | None:
-        """The bearer token: the tenant namespace of conversations."""
-        return api_key(self.authorization)
 
     @property
     def path(self) -> str:
@@ -54,25 +54,16 @@ class ClientRequest:
 
 
 def parse_client_request(raw: bytes, headers: Mapping[str, str], kind: Kind,
-                         max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> ClientRequest:
-    """Raises APIError (400) for what a worker would reject anyway."""
-    authorization = headers.get("authorization")
-    if authorization is not None and not (authorization.isascii()
-                                          and authorization.isprintable()):
-        raise bad_request("The Authorization header must be printable ASCII.")
+                         max_depth: int = DEFAULT_MAX_JSON_DEPTH,
+                         api_key: str | None = None) -> ClientRequest:
+    """Raises APIError (400) for what a worker would reject anyway. `api_key`: the key the
+    request authenticated with (`duplexkv.http.auth.api_key_of`)."""
     body = parse_json(raw, max_depth)
     conv = _conversation_id(body.pop("conversation_id", None), headers)
     body.pop("kv_transfer_params", None)  # never trusted from a client
     parse_request(body, kind)  # the worker's own validation: the same 400s with or without us
     return ClientRequest(kind, body, body.get("stream") is True, body.get("model"), conv,
-                         authorization, clean_request_id(headers.get("x-request-id")))
-
-
-def api_key(authorization: str | None) -> str | None:
-    if not authorization:
-        return None
-    scheme, _, token = authorization.strip().partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else authorization.strip()
+                         api_key, clean_request_id(headers.get("x-request-id")))
 
 
 def _conversation_id(value: Any, headers: Mapping[str, str]) -> str | None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
+from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, check_key, keys_from
 from duplexkv.router.config import DEFAULT_CONVERSATION_TTL_S, RouterConfig
 
 log = logging.getLogger("duplexkv.router")
@@ -54,6 +56,15 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--store-breaker-period", type=float, default=5.0, metavar="S",
                    help="after a store failure, serve turns as misses without calling the store "
                         "for S seconds, then let one call probe it (default 5)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` from clients on every endpoint but "
+                        "/health and /metrics, and namespace conversations by the key; repeat for "
+                        f"several keys (default: the comma-separated keys in ${API_KEY_ENV}, "
+                        "else none: open, and conversation ids shared by all clients)")
+    p.add_argument("--worker-api-key", default=None, metavar="KEY",
+                   help="the key the router sends to the workers (`Authorization: Bearer KEY` on "
+                        f"every leg and /v1/models; default ${WORKER_API_KEY_ENV}, else none: "
+                        "no Authorization header, never the client's)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run_router)
     return p
@@ -68,7 +79,14 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         rewrite_remote_host=args.rewrite_remote_host, upstream_http=args.upstream_http,
         request_timeout_s=args.request_timeout, max_request_bytes=args.max_request_bytes,
         max_header_bytes=args.max_header_bytes, max_json_depth=args.max_json_depth,
-        store_timeout_s=args.store_timeout, store_breaker_period_s=args.store_breaker_period)
+        store_timeout_s=args.store_timeout, store_breaker_period_s=args.store_breaker_period,
+        api_keys=keys_from(args.api_key), worker_api_key=worker_key(args.worker_api_key))
+
+
+def worker_key(flag: str | None) -> str | None:
+    """--worker-api-key, else $DUPLEXKV_WORKER_API_KEY, else None (no key on the legs)."""
+    key = flag if flag is not None else os.environ.get(WORKER_API_KEY_ENV, "").strip() or None
+    return None if key is None else check_key(key.strip(), "--worker-api-key")
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -108,7 +126,7 @@ async def _serve(server, app) -> None:
     if server.started:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         pool = app.state.pool
-        log.info("router listening on http://%s:%d (prefill %s; decode %s; store %s)", host, port,
-                 " ".join(b.url for b in pool.prefill), " ".join(b.url for b in pool.decode),
-                 app.state.store.describe())
+        log.info("router listening on http://%s:%d (prefill %s; decode %s; store %s; %s)", host,
+                 port, " ".join(b.url for b in pool.prefill), " ".join(b.url for b in pool.decode),
+                 app.state.store.describe(), app.state.auth_summary)
     await task

@@ -2,6 +2,9 @@
 /v1/models, https workers) plus, for plain-http generation calls, httpx Requests handed straight
 to the lean `FastTransport` (skipping the client layer's auth/redirect/cookie/hook machinery,
 which the router does not use and which costs ~0.2 ms of CPU per call).
+
+The worker API key (`--worker-api-key`) is the client's default header for its GETs; `post`
+callers put it in their own headers (`RouterConfig.worker_headers`), as `send` adds no defaults.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ class Upstream:
                               keepalive_expiry=60)
         self.fast = FastTransport() if cfg.upstream_http == "fast" else None
         if self.fast is None:
-            self.client = httpx.AsyncClient(timeout=self.timeout, limits=limits, trust_env=False)
+            self.client = httpx.AsyncClient(timeout=self.timeout, limits=limits, trust_env=False,
+                                            headers=cfg.worker_headers())
         else:
             self.client = httpx.AsyncClient(
                 timeout=self.timeout, trust_env=False, transport=self.fast,
+                headers=cfg.worker_headers(),
                 mounts={"https://": httpx.AsyncHTTPTransport(limits=limits)})
         self._urls: dict[str, httpx.URL] = {}  # parsing a URL costs ~0.1 ms in httpx
 

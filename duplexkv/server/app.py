@@ -3,6 +3,8 @@
     POST /v1/completions, /v1/chat/completions   (serving.OpenAIServing)
     GET  /v1/models, /health, /metrics, /debug/engine
 
+With `api_keys`, every path but /health and /metrics needs one of them (`duplexkv.http.auth`).
+
 Request bodies are read raw and validated by `protocol`, so client mistakes are 400s in OpenAI's
 error shape (never FastAPI's 422); a dead engine thread gives 503.
 """
@@ -21,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from duplexkv.engine.async_engine import AsyncEngine
 from duplexkv.http import debug_memory
+from duplexkv.http.auth import APIKeyAuth
 from duplexkv.http.errors import APIError, bad_request, engine_unavailable, internal_error
 from duplexkv.server.metrics import EngineSnapshot, ServerMetrics
 from duplexkv.server.serving import OpenAIServing
@@ -48,9 +51,11 @@ def default_max_request_bytes(max_model_len: int) -> int:
 
 def build_app(aeng: AsyncEngine, served_model_name: str,
               health_extra: Callable[[], dict] | None = None,
-              collectors: tuple = (), max_request_bytes: int | None = None) -> FastAPI:
+              collectors: tuple = (), max_request_bytes: int | None = None,
+              api_keys: tuple[str, ...] = ()) -> FastAPI:
     """The app for one engine; `health_extra()` adds fields to /health (e.g. the KV layer's)."""
     app = FastAPI(title="duplexkv worker", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(APIKeyAuth, keys=api_keys)
     metrics = ServerMetrics(served_model_name)
     for collector in collectors:  # e.g. the KV connector's
         metrics.registry.register(collector)
@@ -84,7 +89,7 @@ def build_app(aeng: AsyncEngine, served_model_name: str,
     @app.get("/v1/models")
     async def models() -> Response:
         card = {"id": served_model_name, "object": "model", "created": created,
-                "owned_by": "duplexkv", "root": str(aeng.engine.model_dir), "parent": None,
+                "owned_by": "duplexkv", "root": served_model_name, "parent": None,
                 "max_model_len": aeng.engine.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -123,5 +128,28 @@ def build_app(aeng: AsyncEngine, served_model_name: str,
         metrics.update(not aeng.dead, await _snapshot(aeng))
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    debug_memory.add_route(app, lambda: debug_memory.worker_structures(aeng, serving))
+    debug_memory.add_route(app, lambda: _structures(aeng, serving))
     return app
+
+
+def _structures(aeng: AsyncEngine, serving: OpenAIServing) -> dict:
+    """Sizes of a worker's per-request maps, caches and queues, for /debug/memory (lengths read
+    without locks)."""
+    e = aeng.engine
+    seg = e.tokenizer.segments
+    out = {"engine.requests": len(e.requests), "scheduler.waiting": len(e.scheduler.waiting),
+           "scheduler.running": len(e.scheduler.running),
+           "scheduler.parked": len(e.scheduler.parked), "async.streams": len(aeng._streams),
+           "serving.in_flight": len(serving.ids.in_flight),
+           "prefix_cache.hashes": len(e.bm.hash_to_block),
+           "segments.entries": len(seg._cache), "segments.chars": seg._chars,
+           "mirrors": len(e.runner.mirrors.mirrors),
+           "mirrors.mb": round(e.runner.mirrors.used_bytes / (1 << 20), 1)}
+    conn = e.connector
+    reader, holder = getattr(conn, "reader", None), getattr(conn, "holder", None)
+    if reader is not None and holder is not None:
+        out.update({"kv.pulls": len(reader.pulls), "kv.holding": len(conn.holding),
+                    "kv.to_pull": len(conn.to_pull), "kv.peers": len(reader.peers),
+                    "kv.orphans": len(reader.orphans), "kv.retained": len(holder.retained)})
+    return out
+

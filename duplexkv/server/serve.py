@@ -52,6 +52,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                    help="largest request body accepted (413 above it; default: 32 bytes per "
                         "token of max-model-len + 4 MiB)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every endpoint but /health and "
+                        "/metrics; repeat for several keys (default: the comma-separated keys in "
+                        "$DUPLEXKV_API_KEY, else none)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run_serve)
     return p
@@ -77,6 +81,9 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if args.max_request_bytes is not None and args.max_request_bytes < 1024:
         raise ValueError("--max-request-bytes must be at least 1024")
+    from duplexkv.http.auth import keys_from
+
+    api_keys = keys_from(args.api_key)
     # heavy imports only once the arguments are known to be good
     import uvicorn
 
@@ -92,11 +99,12 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         health_extra, collectors = attach_kv_transfer(aeng, args.kv_transfer_config, args)
         name = args.served_model_name or served_name(args.model)
-        app = build_app(aeng, name, health_extra, collectors, args.max_request_bytes)
+        app = build_app(aeng, name, health_extra, collectors, args.max_request_bytes, api_keys)
         server = Server(uvicorn.Config(app, host=args.host,
                                        port=args.port, lifespan="off", log_level="warning",
                                        access_log=False, timeout_graceful_shutdown=5))
-        asyncio.run(_serve(server, f"{name} ({engine.model_dir})", aeng))
+        keys = f"; {len(api_keys)} API key(s) required" if api_keys else ""
+        asyncio.run(_serve(server, f"{name} ({engine.model_dir}{keys})", aeng))
         if aeng.dead:
             log.error("exiting because the engine died: %s", aeng.dead)
             return 1
