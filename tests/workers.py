@@ -18,6 +18,9 @@ import pytest
 from duplexkv.launch import worker_env
 
 DUPLEXKV = str(Path(sys.executable).parent / "duplexkv")
+# every test worker shares this cluster secret, so cross-worker pulls take the signed,
+# authenticated path (docs/protocol.md, section 6); `secret=None` starts a loopback-only worker
+TEST_SECRET = "duplexkv-test-cluster-secret-0123456789"
 MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -99,15 +102,20 @@ class Worker:
 
 
 def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = None,
-                 timeout_s: float = 120, dtype: str | None = "float32") -> Worker:
-    """`dtype=None` leaves --dtype out: the worker runs its default (bfloat16)."""
+                 timeout_s: float = 120, dtype: str | None = "float32",
+                 secret: str | None = TEST_SECRET) -> Worker:
+    """`dtype=None` leaves --dtype out: the worker runs its default (bfloat16). `secret`: the
+    KV cluster secret (DUPLEXKV_KV_SECRET), None for none (the KV plane is loopback only)."""
     cmd = [DUPLEXKV, "serve", str(model), "--host", "127.0.0.1", "--port", "0",
            *(("--dtype", dtype) if dtype else ()), *args]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
+    env = worker_env({"UCX_NET_DEVICES": "lo"})
+    env.pop("DUPLEXKV_KV_SECRET", None)
+    if secret is not None:
+        env["DUPLEXKV_KV_SECRET"] = secret
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                env=worker_env({"UCX_NET_DEVICES": "lo"}))
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         m = re.search(r"serving .* on (http://[\d.]+:\d+)", log.read_text(errors="replace"))
