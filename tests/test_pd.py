@@ -8,6 +8,7 @@ import time
 
 import pytest
 from workers import (
+    TEST_SECRET,
     decode_leg,
     kv_config,
     need_nixl,
@@ -18,7 +19,9 @@ from workers import (
 )
 
 from duplexkv import LLM, SamplingParams
-from duplexkv.kv import messages, side_channel
+from duplexkv.kv import messages as m
+from duplexkv.kv import side_channel
+from duplexkv.kv.auth import KVAuth
 
 CONNECTORS = ["TcpConnector", "NixlConnector"]
 ARGS = ("--num-kv-blocks", "96", "--max-model-len", "1024")
@@ -159,8 +162,8 @@ def test_lease_renewed_by_heartbeats_and_expires_without_them(cluster, tiny_mode
         end = time.monotonic() + 7.0  # over twice the lease
         while time.monotonic() < end:
             reply = side_channel.request(params["remote_host"], params["remote_port"],
-                                         messages.Heartbeat([params["remote_request_id"]]),
-                                         messages.HeartbeatReply, 10.0)
+                                         m.Heartbeat([params["remote_request_id"]]),
+                                         m.HeartbeatReply, 10.0, KVAuth(TEST_SECRET.encode()))
             assert reply.known == 1
             retained = p.kv()["retained"]
             assert retained["leases"] == 1 and retained["released"]["expired"] == 0, retained

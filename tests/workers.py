@@ -19,6 +19,9 @@ from duplexkv.launch import worker_env
 
 DUPLEXKV = str(Path(sys.executable).parent / "duplexkv")
 NO_KEYS = {"DUPLEXKV_API_KEY": None, "DUPLEXKV_WORKER_API_KEY": None}  # None: unset (worker_env)
+# every test worker shares this cluster secret, so cross-worker pulls take the signed,
+# authenticated path (docs/protocol.md, section 6); `secret=None` starts a loopback-only worker
+TEST_SECRET = "duplexkv-test-cluster-secret-0123456789"
 MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -101,17 +104,19 @@ class Worker:
 
 def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = None,
                  timeout_s: float = 120, dtype: str | None = "float32",
-                 env: dict | None = None) -> Worker:
+                 env: dict | None = None, secret: str | None = TEST_SECRET) -> Worker:
     """`dtype=None` leaves --dtype out: the worker runs its default (bfloat16). `env` adds to the
-    environment; an API key variable inherited from the caller's is dropped unless given here."""
+    environment; an API key variable inherited from the caller's is dropped unless given here.
+    `secret`: the KV cluster secret (DUPLEXKV_KV_SECRET), None for none (the KV plane is then
+    loopback only)."""
     cmd = [DUPLEXKV, "serve", str(model), "--host", "127.0.0.1", "--port", "0",
            *(("--dtype", dtype) if dtype else ()), *args]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
+    full_env = worker_env({"UCX_NET_DEVICES": "lo", **NO_KEYS, "DUPLEXKV_KV_SECRET": secret,
+                           **(env or {})})
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                env=worker_env({"UCX_NET_DEVICES": "lo", **NO_KEYS,
-                                                **(env or {})}))
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         m = re.search(r"serving .* on (http://[\d.]+:\d+)", log.read_text(errors="replace"))

@@ -9,12 +9,18 @@ History 2k/8k/16k tokens plus a 256-token new user turn. Targets: pull within 1.
 16k, and at least 10x faster than recompute at 16k.
 
     .venv/bin/python duplexkv bench reuse [--lengths 2048 8192 16384] [--connector TcpConnector]
+        [--secret]
+
+`--secret` also starts a P and a D sharing a fresh cluster secret (signed params, CURVE side
+channel, authenticated HELLO) and reports, in the same run, their pull (verify + READ) next to
+the one without a secret: what authentication costs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import tempfile
 import time
@@ -59,19 +65,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=NEW_TURN, help="tokens of the new turn")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--secret", action="store_true",
+                    help="also measure a P and D with a cluster secret (authentication's cost)")
     args = ap.parse_args(argv)
     max_len = max(args.lengths) + args.new_tokens + 64
     common = ["--max-model-len", str(max(max_len, 4096)), "--kv-cache-memory", "1.0"]
     kv = bidirectional_kv(args.connector)
     logs = Path(tempfile.mkdtemp(prefix="duplexkv-reuse-"))
+    plain = {"DUPLEXKV_KV_SECRET": ""}  # the baseline runs without a secret, whatever is set
     procs = [
-        spawn("p", worker_args(args.model, kv, *common, "--no-enable-prefix-caching"), logs),
-        spawn("p_local", worker_args(args.model, kv, *common), logs),
-        spawn("d", worker_args(args.model, kv, *common), logs),
+        spawn("p", worker_args(args.model, kv, *common, "--no-enable-prefix-caching"), logs,
+              plain),
+        spawn("p_local", worker_args(args.model, kv, *common), logs, plain),
+        spawn("d", worker_args(args.model, kv, *common), logs, plain),
     ]
+    if args.secret:
+        env = {"DUPLEXKV_KV_SECRET": secrets.token_hex(32)}
+        procs += [spawn("p_secret", worker_args(args.model, kv, *common,
+                                                "--no-enable-prefix-caching"), logs, env),
+                  spawn("d_secret", worker_args(args.model, kv, *common), logs, env)]
     try:
         wait_ready(procs)
-        p, p_local, d = (x.url for x in procs)
+        p, p_local, d = (x.url for x in procs[:3])
         client = httpx.Client(timeout=600)
         print(f"workers up (logs in {logs}); connector {args.connector}")
         rows = []
@@ -79,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         for n, hist in enumerate(args.lengths):
             res = {"pull": [], "local": [], "recompute": [], "pulled_tokens": [],
                    "transfer_ms": []}
+            if args.secret:
+                res.update(pull_secret=[], transfer_ms_secret=[])
             for rep in range(args.reps + 1):  # rep 0 warms up (handshakes, allocations)
                 base = [(7919 * (i + 1000 * rep + 97 * n)) % (vocab - 10) + 5
                         for i in range(hist - 64)]
@@ -89,8 +106,17 @@ def main(argv: list[str] | None = None) -> None:
                 p_leg(client, p_local, history + [5], MISS)  # warm P's own cache
                 local_s, lj = p_leg(client, p_local, prompt, MISS)
                 rec_s, rj = p_leg(client, p, prompt, MISS)
+                if args.secret:
+                    ps, ds = procs[3].url, procs[4].url
+                    sd_params, sdj = d_turn(client, ps, ds, base, 65)
+                    assert sdj["choices"][0]["token_ids"] == dj["choices"][0]["token_ids"]
+                    spull_s, spj = p_leg(client, ps, prompt, {**sd_params, **MISS})
+                    assert spj["kv_stats"]["pulled_tokens"] == pj["kv_stats"]["pulled_tokens"]
                 if rep == 0:
                     continue
+                if args.secret:
+                    res["pull_secret"].append(spull_s)
+                    res["transfer_ms_secret"].append(spj["kv_stats"]["transfer_ms"])
                 res["pull"].append(pull_s)
                 res["local"].append(local_s)
                 res["recompute"].append(rec_s)
@@ -100,12 +126,19 @@ def main(argv: list[str] | None = None) -> None:
             row = {"history": hist, "prompt": len(prompt), **med,
                    "pull_vs_local": med["pull"] / med["local"],
                    "recompute_vs_pull": med["recompute"] / med["pull"]}
+            if args.secret:
+                row["auth_overhead"] = med["transfer_ms_secret"] / med["transfer_ms"] - 1
             rows.append(row)
             print(f"history {hist:6d}: pull {med['pull'] * 1e3:8.1f} ms "
                   f"(pulled {med['pulled_tokens']:.0f} tok, transfer {med['transfer_ms']:.1f} ms)"
                   f"  local {med['local'] * 1e3:8.1f} ms  recompute {med['recompute'] * 1e3:8.1f}"
                   f" ms  pull/local {row['pull_vs_local']:.2f}x  recompute/pull "
                   f"{row['recompute_vs_pull']:.1f}x", flush=True)
+            if args.secret:
+                print(f"  with a cluster secret: pull {med['pull_secret'] * 1e3:8.1f} ms, "
+                      f"verify + READ {med['transfer_ms_secret']:.1f} ms vs "
+                      f"{med['transfer_ms']:.1f} ms without ({row['auth_overhead']:+.1%})",
+                      flush=True)
         print("\n| history | pull from D | local hit (ideal) | recompute | pull / local | "
               "recompute / pull | pulled tokens | transfer |")
         print("|---|---|---|---|---|---|---|---|")

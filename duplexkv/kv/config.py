@@ -36,6 +36,8 @@ class KVTransferConfig:
     expiry_margin_s: float = 5.0  # decline remote blocks that expire sooner than this
     # D leg: emit P's greedy first token instead of recomputing the last prompt token
     use_prefill_first_token: bool = True
+    # a file holding the cluster secret (or set $DUPLEXKV_KV_SECRET); never the secret itself
+    auth_secret_file: str = ""
 
     @property
     def transport(self) -> str:
@@ -71,6 +73,10 @@ class KVTransferConfig:
                     "kv_role": raw.get("kv_role", "kv_both")}
         legacy = {"remote_pull_threshold": "kv_recompute_threshold"}
         for k, v in extra.items():
+            if k in ("auth_secret", "secret", "kv_secret"):
+                raise KVConfigError(f"kv_connector_extra_config.{k}: the KV secret is never "
+                                    "taken from the command line; set DUPLEXKV_KV_SECRET or "
+                                    "name a file in auth_secret_file")
             k = legacy.get(k, k)
             if k in fields and k not in kw:
                 want = type(getattr(cls(), k))

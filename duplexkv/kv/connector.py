@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from duplexkv.engine.kv_transfer import ConnectorEvent, KVConnectorBase, KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine
 from duplexkv.engine.sequence import Sequence
+from duplexkv.kv import auth as kvauth
 from duplexkv.kv import side_channel
 from duplexkv.kv.config import KVTransferConfig
 from duplexkv.kv.holder import Holder
@@ -34,7 +35,7 @@ from duplexkv.kv.reader import Reader
 from duplexkv.kv.transport import make_transport
 
 log = logging.getLogger(__name__)
-PROTOCOL_VERSION = "duplexkv-kv-1"
+PROTOCOL_VERSION = "duplexkv-kv-2"  # 2: capability tokens, authenticated HELLO
 NET_THREADS = 8
 
 
@@ -43,27 +44,34 @@ class KVConnector(KVConnectorBase):
         self.cfg = cfg
         self.engine = engine
         bm = engine.bm
+        auth = kvauth.load(cfg.auth_secret_file)  # never logged, never in a repr
+        kvauth.check_bind(auth, "side_channel_host", cfg.side_channel_host)
+        if cfg.transport == "tcp":
+            kvauth.check_bind(auth, "transfer_host", cfg.transfer_host)
+        self.auth = auth
         self.engine_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.compat_hash = hashlib.sha256(
             engine.fingerprint
             + f"{PROTOCOL_VERSION}/{tuple(engine.runner.pool.shape[1:])}".encode()).hexdigest()
         self.transport = make_transport(cfg.transport, engine_id=self.engine_id,
-                                        host=cfg.transfer_host, timeout_s=cfg.read_timeout_s)
+                                        host=cfg.transfer_host, timeout_s=cfg.read_timeout_s,
+                                        auth=auth)
         self.transport.register(engine.runner.pool)
         self.counters: dict = {"pulls": 0, "pulled_tokens": 0, "pulled_bytes": 0,
                                "transfer_ms": 0.0, "declined": {}, "prefill_first_tokens": 0}
         self.pool = ThreadPoolExecutor(NET_THREADS, thread_name_prefix="kv-net")
         self.gate = PeerGate(self.pool, cfg.peer_max_in_flight, cfg.peer_breaker_s)
         self.holder = Holder(cfg, bm, engine.config.block_size, engine.fingerprint,
-                             self.engine_id)
+                             self.engine_id, auth)
+        self.transport.read_authorizer = self.holder.authorize_read
         self.reader = Reader(cfg, engine, self.transport, self.gate, self.compat_hash,
-                             self.counters)
+                             self.counters, auth)
         hs = side_channel.Handshake(self.engine_id, self.compat_hash, cfg.transport,
                                     self.transport.metadata(), engine.config.block_size,
                                     bm.num_blocks, engine.block_bytes)
         self.server = side_channel.SideChannelServer(
             cfg.side_channel_host, cfg.side_channel_port, hs,
-            {"verify": self.holder.serve_verify, "hb": self.holder.serve_heartbeat})
+            {"verify": self.holder.serve_verify, "hb": self.holder.serve_heartbeat}, auth)
         self.holder.address = (self.server.host, self.server.port)
         self.holding: dict[str, str] = {}  # request id -> what finishing it leaves held
         self.to_pull: dict[str, tuple[KVTransferParams, int]] = {}  # until start_pull
@@ -124,6 +132,7 @@ class KVConnector(KVConnectorBase):
     def health(self) -> dict:
         counters = {**self.counters, "retained": dict(self.holder.counters)}
         return {"engine_id": self.engine_id, "kv_connector": self.cfg.kv_connector,
+                "kv_auth": "cluster secret" if self.auth.enabled else "loopback only",
                 "side_channel": f"{self.server.host}:{self.server.port}",
                 "transport": self.transport.health(), "retained": self.holder.retained.stats(),
                 "pulls_in_flight": len(self.reader.pulls), "counters": counters,

@@ -10,7 +10,8 @@ A reader first asks `serve_verify` which leading tokens of its prompt the held b
 itself is served by the transport; its completion notification (`done:<id>`) or a reader's
 notify-only message (`skip:<id>`) releases the entry. Engine-thread methods: `hold`,
 `on_notification`, `expire`, `reclaim`, `refs`. Side-channel thread: `serve_verify`,
-`serve_heartbeat` (the retention table is locked).
+`serve_heartbeat` (the retention table is locked); transport threads: `authorize_read` (the
+capability check before any block is served, under the same lock).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from duplexkv.engine.block_manager import BlockManager
 from duplexkv.engine.kv_transfer import KVTransferParams
 from duplexkv.engine.sequence import Sequence
 from duplexkv.kv import messages as m
+from duplexkv.kv.auth import SIGNATURE_KEY, KVAuth
 from duplexkv.kv.config import KVTransferConfig
 from duplexkv.kv.retention import Retained, RetentionTable
 
@@ -30,8 +32,9 @@ log = logging.getLogger(__name__)
 
 class Holder:
     def __init__(self, cfg: KVTransferConfig, bm: BlockManager, block_size: int, seed: bytes,
-                 engine_id: str) -> None:
+                 engine_id: str, auth: KVAuth | None = None) -> None:
         self.cfg, self.bm, self.engine_id = cfg, bm, engine_id
+        self.auth = auth if auth is not None else KVAuth(None)
         self.retained = RetentionTable(block_size, seed)
         self.address: tuple[str, int] = ("", 0)  # the side channel's, set once it listens
         self.counters = {"lease": 0, "ttl": 0}
@@ -60,12 +63,15 @@ class Holder:
             and n == seq.num_prompt_tokens and not sp.logit_bias and not sp.has_penalties
         ) else None
         host, port = self.address
-        return KVTransferParams(
+        p = KVTransferParams(
             do_remote_decode=kind == "ttl", do_remote_prefill=kind == "lease",
             remote_block_ids=tuple(blocks), remote_engine_id=self.engine_id,
             remote_request_id=rid, remote_host=host, remote_port=port, remote_num_tokens=n,
             remote_blocks_expiry_time=entry.expiry if kind == "ttl" else None,
             first_token_id=first)
+        if self.auth.enabled:  # readers trust nothing else in params (docs/protocol.md, 6)
+            p.extra[SIGNATURE_KEY] = self.auth.sign_params(p)
+        return p
 
     def _release(self, entry: Retained | None) -> None:
         if entry is not None:
@@ -99,7 +105,12 @@ class Holder:
     def serve_verify(self, req: m.Verify) -> m.VerifyReply:
         claim_s = self.cfg.read_timeout_s + self.cfg.expiry_margin_s
         r = self.retained.verify_and_claim(req.request_id, req.hashes, req.tokens, claim_s)
-        return m.VerifyReply(r.matched_tokens, r.expiry, r.reason)
+        return m.VerifyReply(r.matched_tokens, r.expiry, r.reason, r.token)
+
+    # transport server threads
+    def authorize_read(self, token: bytes, block_ids: tuple[int, ...]) -> str | None:
+        """The transport's READ check: None, or why the READ is refused (retention.py)."""
+        return self.retained.authorize_read(token, block_ids)
 
     def serve_heartbeat(self, req: m.Heartbeat) -> m.HeartbeatReply:
         return m.HeartbeatReply(self.retained.heartbeat(req.request_ids,

@@ -62,6 +62,8 @@ class VerifyReply(msgspec.Struct):
     matched: Count
     expiry: _CLOCK
     reason: Annotated[str, Meta(max_length=32)] = ""
+    # the claim's capability: the READ must carry it (docs/protocol.md, sections 2 and 3)
+    token: Annotated[bytes, Meta(max_length=16)] = b""
 
 
 class HeartbeatReply(msgspec.Struct):

@@ -26,7 +26,8 @@ class KVCollector(Collector):
         declined = CounterMetricFamily("duplexkv_kv_pull_declined",
                                        "Remote KV not used, by reason", labels=["reason"])
         for reason in ("threshold", "mismatch", "expired", "failed", "no_room", "unknown",
-                       "local_hit", "bad_reply", "unreachable", "peer_down", *c["declined"]):
+                       "local_hit", "bad_reply", "unreachable", "peer_down", "untrusted",
+                       *c["declined"]):
             if reason not in {m.labels["reason"] for m in declined.samples}:
                 declined.add_metric([reason], c["declined"].get(reason, 0))
         yield declined

@@ -36,6 +36,7 @@ from duplexkv.engine.llm_engine import LLMEngine
 from duplexkv.engine.sequence import Sequence
 from duplexkv.kv import messages as m
 from duplexkv.kv import side_channel
+from duplexkv.kv.auth import KVAuth
 from duplexkv.kv.config import KVTransferConfig
 from duplexkv.kv.peer_gate import PeerGate
 from duplexkv.kv.transport import KVTransport, XferHandle, XferState
@@ -71,8 +72,10 @@ class _Verified:
 
 class Reader:
     def __init__(self, cfg: KVTransferConfig, engine: LLMEngine, transport: KVTransport,
-                 gate: PeerGate, compat_hash: str, counters: dict) -> None:
+                 gate: PeerGate, compat_hash: str, counters: dict,
+                 auth: KVAuth | None = None) -> None:
         self.cfg, self.engine, self.transport, self.gate = cfg, engine, transport, gate
+        self.auth = auth if auth is not None else KVAuth(None)
         self.bm, self.sched = engine.bm, engine.scheduler
         self.bs = engine.config.block_size
         self.compat_hash = compat_hash
@@ -97,6 +100,10 @@ class Reader:
 
     def start(self, seq: Sequence, p: KVTransferParams, threshold: int) -> None:
         self.pulls[seq.request_id] = Pull(seq, p, threshold)
+        trusted, why = self.auth.params_trusted(p)
+        if not trusted:  # before any connection: forged params reach no host (protocol.md 6)
+            self.results.put(_Verified(seq.request_id, None, None, "untrusted", why))
+            return
         tokens = seq.prompt_token_ids[: p.remote_num_tokens]
         hashes = hash_token_blocks(self.bm.seed, tokens, self.bs)
         rid = seq.request_id
@@ -110,7 +117,7 @@ class Reader:
         info = self.peers.get(key)
         if info is None:
             info = side_channel.handshake(p.remote_host or "", p.remote_port or 0,
-                                          self.cfg.connect_timeout_s)
+                                          self.cfg.connect_timeout_s, auth=self.auth)
             hs = info.handshake
             if hs.engine_id != p.remote_engine_id:
                 raise side_channel.SideChannelError(
@@ -136,7 +143,8 @@ class Reader:
             info = self._peer(p)
             reply = side_channel.request(p.remote_host or "", p.remote_port or 0,
                                          m.Verify(p.remote_request_id or "", hashes, tokens),
-                                         m.VerifyReply, self.cfg.connect_timeout_s)
+                                         m.VerifyReply, self.cfg.connect_timeout_s,
+                                         self.auth)
             assert isinstance(reply, m.VerifyReply)
             self.results.put(_Verified(rid, info, reply))
             return True
@@ -153,7 +161,7 @@ class Reader:
         try:
             side_channel.request(p.remote_host or "", p.remote_port or 0,
                                  m.Heartbeat([p.remote_request_id or ""]), m.HeartbeatReply,
-                                 self.cfg.connect_timeout_s)
+                                 self.cfg.connect_timeout_s, self.auth)
             return True
         except Exception as e:
             log.warning("heartbeat to %s failed: %s", p.remote_engine_id, e)
@@ -236,7 +244,8 @@ class Reader:
             if len(remote) != len(pull.local_block_ids):
                 raise ValueError("holder's block list is shorter than its token count")
             pull.handle = self.transport.read(p.remote_engine_id or "", pull.local_block_ids,
-                                              remote, f"done:{p.remote_request_id}".encode())
+                                              remote, f"done:{p.remote_request_id}".encode(),
+                                              reply.token)
         except Exception as e:
             return self._decline(pull, "failed", str(e))
         pull.state, pull.usable_tokens = "reading", usable
@@ -275,6 +284,8 @@ class Reader:
                                           f"skip:{p.remote_request_id}".encode())
             except Exception as e:
                 log.warning("notify-only to %s failed: %s", p.remote_engine_id, e)
+        if reason == "untrusted":
+            log.warning("KV pull for %s declined (untrusted params): %s", seq.request_id, error)
         if reason in LOAD_FAILURES:
             log.warning("KV pull for %s declined (%s): %s", seq.request_id, reason, error)
             if self.cfg.kv_load_failure_policy == "fail":

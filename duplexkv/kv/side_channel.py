@@ -3,6 +3,11 @@
 The messages and their bounds are in `messages.py`; nothing a peer sends is used before it has
 been decoded into those types. Data moves over the transport; the completion notification
 travels with the READ.
+
+With a cluster secret (kv/auth.py) the socket is a ZMQ CURVE server whose keypair, and the one
+client keypair, are derived from the secret; a ZAP handler admits only the derived client key,
+so a peer without the secret completes no handshake and is told nothing, not even the engine
+id. Without a secret the side channel listens on loopback only.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from typing import Callable
 
 import msgspec
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from duplexkv.kv import messages as m
+from duplexkv.kv.auth import KVAuth
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +55,37 @@ class PeerInfo:
     clock_offset: float  # holder perf_counter - ours
 
 
+class _OnlyClusterClient:
+    """ZAP credentials provider: admit exactly the client key derived from the secret."""
+
+    def __init__(self, client_public: bytes) -> None:
+        self.key = client_public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.key
+
+
 class SideChannelServer:
     def __init__(self, host: str, port: int, handshake: Handshake,
-                 handlers: dict[str, Callable[..., object]]) -> None:
-        self.ctx = zmq.Context.instance()
+                 handlers: dict[str, Callable[..., object]], auth: KVAuth | None = None) -> None:
+        self.authenticator = None
+        if auth is not None and auth.enabled:
+            # own context: the ZAP handler is per context and only this socket needs it
+            self.ctx = zmq.Context()
+            self.authenticator = ThreadAuthenticator(self.ctx, log=log.getChild("zap"))
+            self.authenticator.start()
+            client_public, _ = auth.curve_keys("client")
+            self.authenticator.configure_curve_callback(
+                "*", credentials_provider=_OnlyClusterClient(client_public))
+        else:
+            self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        if self.authenticator is not None:
+            assert auth is not None
+            pub, sec = auth.curve_keys("server")
+            self.sock.curve_secretkey = sec
+            self.sock.curve_publickey = pub
+            self.sock.curve_server = True
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
         self.sock.setsockopt(zmq.SNDHWM, 1000)
@@ -73,6 +106,9 @@ class SideChannelServer:
         self._stop.set()
         self._thread.join(timeout=2)
         self.sock.close(0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+            self.ctx.term()
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -108,7 +144,8 @@ class SideChannelServer:
         return self.handlers["hb"](req)
 
 
-def request(host: str, port: int, msg: object, reply_type: type, timeout_s: float) -> object:
+def request(host: str, port: int, msg: object, reply_type: type, timeout_s: float,
+            auth: KVAuth | None = None) -> object:
     """One request/reply to a holder's side channel, decoded into `reply_type`.
     PeerUnreachable when nothing comes back within `timeout_s` (connecting included), BadReply
     for a malformed answer, SideChannelError when the holder refused."""
@@ -118,6 +155,11 @@ def request(host: str, port: int, msg: object, reply_type: type, timeout_s: floa
     sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
     sock.setsockopt(zmq.CONNECT_TIMEOUT, max(1, int(timeout_s * 1000)))
     sock.setsockopt(zmq.MAXMSGSIZE, 1 << 22)
+    if auth is not None and auth.enabled:
+        pub, sec = auth.curve_keys("client")
+        sock.curve_serverkey = auth.curve_keys("server")[0]
+        sock.curve_publickey = pub
+        sock.curve_secretkey = sec
     try:
         sock.connect(f"tcp://{host}:{port}")
         sock.send(m.encode(msg))
@@ -136,12 +178,13 @@ def request(host: str, port: int, msg: object, reply_type: type, timeout_s: floa
     return reply
 
 
-def handshake(host: str, port: int, timeout_s: float, rounds: int = 3) -> PeerInfo:
+def handshake(host: str, port: int, timeout_s: float, rounds: int = 3,
+              auth: KVAuth | None = None) -> PeerInfo:
     """Fetch the holder's metadata; the clock offset comes from the lowest-RTT round."""
     best = None
     for _ in range(rounds):
         t0 = time.perf_counter()
-        reply = request(host, port, m.Meta_(), m.MetaReply, timeout_s)
+        reply = request(host, port, m.Meta_(), m.MetaReply, timeout_s, auth)
         t1 = time.perf_counter()
         assert isinstance(reply, m.MetaReply)
         if best is None or t1 - t0 < best[0]:

@@ -54,6 +54,7 @@ class XferHandle:
     error: str | None = None
     finished: float | None = None  # time.monotonic() when DONE/FAILED was first seen
     impl: object = field(default=None, repr=False)
+    token: bytes = field(default=b"", repr=False)  # the holder's capability for this READ
 
     @property
     def elapsed_s(self) -> float:
@@ -189,6 +190,11 @@ class KVTransport(ABC, Generic[ConnT]):
         self._pool: torch.Tensor | None = None
         self._peers: dict[str, Peer[ConnT]] = {}
         self._closed = False
+        #: holder side: `(token, remote block ids) -> None | why refused`, called from the
+        #: transport's server threads before a READ is served. None serves any block in range
+        #: (bare transports in tests); the connector always sets the holder's claim check.
+        #: NIXL cannot call it (one-sided RDMA reads never reach the holder's code).
+        self.read_authorizer = None
 
     @property
     @abstractmethod
@@ -233,7 +239,7 @@ class KVTransport(ABC, Generic[ConnT]):
         self._peers[peer] = Peer(md, header, self._connect_impl(peer, header, blob, layout))
 
     def read(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-             notif: bytes) -> XferHandle:
+             notif: bytes, token: bytes = b"") -> XferHandle:
         """Start READing remote blocks into local blocks; return at once.
 
         `remote_block_ids[i]` lands in `local_block_ids[i]`. After the data has landed the
@@ -241,13 +247,15 @@ class KVTransport(ABC, Generic[ConnT]):
         holder gets nothing and relies on its own lease/TTL. ValueError if the lists differ in
         length, an id is out of range, or local ids repeat; RuntimeError if `peer` is not
         connected. An empty read moves nothing, still notifies, and is DONE at once.
+        `token` is the capability the holder's verify returned (TCP sends it with the READ).
         """
         layout = self._need_registered()
         p = self._peer(peer)
         loc, rem = check_block_ids(local_block_ids, remote_block_ids, layout.num_blocks,
                                    int(p.header["num_blocks"]))
         now = time.monotonic()
-        h = XferHandle(peer, loc, rem, len(loc) * layout.block_bytes, now + self.timeout_s, now)
+        h = XferHandle(peer, loc, rem, len(loc) * layout.block_bytes, now + self.timeout_s, now,
+                       token=bytes(token))
         self.stats.reads += 1
         if not loc:
             self.send_notif(peer, notif)

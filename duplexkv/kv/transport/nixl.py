@@ -50,11 +50,14 @@ class NixlTransport(KVTransport[_Remote]):
     """`host` is accepted for interface symmetry and unused: UCX picks interfaces itself
     (restrict them with UCX_NET_DEVICES, e.g. `lo` in a sandbox). `progress_thread_ms`: poll
     timeout of NIXL's event-driven progress thread, None = no thread (see nixl_agent.py).
-    `num_threads`: NIXL's UCX `num_threads` option (0 = its default, one worker)."""
+    `num_threads`: NIXL's UCX `num_threads` option (0 = its default, one worker). `auth` is
+    accepted for symmetry and unused: UCX's one-sided READs are neither authenticated nor
+    checked per READ by the holder (docs/protocol.md, section 6: the NIXL limit)."""
 
     def __init__(self, engine_id: str, timeout_s: float = DEFAULT_TIMEOUT_S,
                  host: str | None = None, backends: Sequence[str] = ("UCX",),
-                 progress_thread_ms: float | None = 5.0, num_threads: int = 0) -> None:
+                 progress_thread_ms: float | None = 5.0, num_threads: int = 0,
+                 auth=None) -> None:
         super().__init__(engine_id, timeout_s)
         self._errors = nixl_errors()
         self.cma_ok, self.cma_reason = cma.ucx_cma_status()

@@ -41,8 +41,13 @@ class TcpTransport(KVTransport[PeerLink]):
     overdue_grace_s = SLICE_S  # the link thread fails its own timeouts; step in only if it hangs
 
     def __init__(self, engine_id: str, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
+                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 auth=None, **limits) -> None:
         super().__init__(engine_id, timeout_s)
+        from duplexkv.kv.auth import KVAuth
+
+        self.auth = auth if auth is not None else KVAuth(None)
+        self.limits = limits  # BlockServer's max_connections, max_per_peer, timeouts
         self.bind_host, self.bind_port, self.advertise_host = host, port, advertise_host
         self._mv: memoryview | None = None
         self._server: BlockServer | None = None
@@ -53,7 +58,8 @@ class TcpTransport(KVTransport[PeerLink]):
 
     def _register_impl(self, pool: torch.Tensor, layout: PoolLayout) -> None:
         mv = w.pool_view(pool)
-        self._server = BlockServer(self.engine_id, self.bind_host, self.bind_port, layout, mv)
+        self._server = BlockServer(self.engine_id, self.bind_host, self.bind_port, layout, mv,
+                                   self.auth, lambda: self.read_authorizer, **self.limits)
         self._mv = mv
 
     def _metadata_impl(self, layout: PoolLayout) -> tuple[dict, bytes]:
@@ -67,7 +73,7 @@ class TcpTransport(KVTransport[PeerLink]):
     def _connect_impl(self, peer: str, header: dict, blob: bytes,
                       layout: PoolLayout) -> PeerLink:
         assert self._mv is not None
-        return PeerLink(self.engine_id, peer, header, self._mv, layout.block_bytes)
+        return PeerLink(self.engine_id, peer, header, self._mv, layout.block_bytes, self.auth)
 
     def _start_read(self, h: XferHandle, conn: PeerLink, notif: bytes) -> None:
         h.impl = job = Job(h, notif)

@@ -3,9 +3,11 @@ a thread that runs the peer's READs (and notifications) in order."""
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import json
 import logging
+import os
 import queue
 import socket
 import struct
@@ -40,8 +42,9 @@ class PeerLink:
     """Reader side of one peer: a lazily (re)opened connection and the thread that uses it."""
 
     def __init__(self, me: str, peer: str, header: dict, local_mv: memoryview,
-                 block_bytes: int) -> None:
+                 block_bytes: int, auth) -> None:
         self.me, self.peer, self.header = me, peer, header
+        self.auth = auth  # kv.auth.KVAuth: the HELLO's key
         self.addr = (header["host"], int(header["port"]))
         self.local_mv, self.bb = local_mv, block_bytes
         self.sock: socket.socket | None = None
@@ -77,18 +80,44 @@ class PeerLink:
             s = socket.create_connection(self.addr, timeout=max(0.01, deadline - time.monotonic()))
             try:
                 w.tune(s)
-                hello = json.dumps({"from": self.me, "to": self.peer}).encode()
-                s.sendall(w.HELLO_HDR.pack(w.HELLO, len(hello)) + hello)
-                status, n = w.HELLO_HDR.unpack(w.recv_exact(s, w.HELLO_HDR.size))
-                text = w.recv_exact(s, n).decode(errors="replace")
-                if status != w.OK:
-                    raise ConnectionError(f"{self.addr[0]}:{self.addr[1]} refused us: {text}")
+                self._hello(s)
             except BaseException:
                 s.close()
                 raise
             w.set_time_slices(s, SLICE_S)
             self.sock = s
         return self.sock
+
+    def _hello(self, s: socket.socket) -> None:
+        """Mutual challenge-response (tcp_wire.py): the holder proves the key and its engine
+        id first, then we do."""
+        where = f"{self.addr[0]}:{self.addr[1]}"
+        cn = os.urandom(w.NONCE_BYTES)
+        hello = json.dumps({"from": self.me, "to": self.peer, "nonce": cn.hex()}).encode()
+        s.sendall(w.HELLO_HDR.pack(w.HELLO, len(hello)) + hello)
+        status, n = w.HELLO_HDR.unpack(w.recv_exact(s, w.HELLO_HDR.size))
+        if n > w.MAX_HELLO:
+            raise ConnectionError(f"{where}: oversized HELLO reply")
+        body = w.recv_exact(s, n)
+        if status != w.OK:
+            raise ConnectionError(f"{where} refused us: {body.decode(errors='replace')}")
+        try:
+            reply = json.loads(body)
+            sn = bytes.fromhex(reply["nonce"])
+            mac = bytes.fromhex(reply["mac"])
+        except (ValueError, KeyError, TypeError):
+            raise ConnectionError(f"{where}: malformed HELLO reply") from None
+        want = self.auth.hello_mac(b"holder", cn, sn, self.peer.encode())
+        if len(sn) != w.NONCE_BYTES or not hmac.compare_digest(mac, want):
+            raise ConnectionError(f"{where} is not {self.peer!r} or does not hold the cluster "
+                                  "secret (HELLO authentication failed)")
+        mine = self.auth.hello_mac(b"reader", cn, sn, self.me.encode(), self.peer.encode())
+        s.sendall(w.HELLO_HDR.pack(w.AUTH, len(mine)) + mine)
+        status, n = w.HELLO_HDR.unpack(w.recv_exact(s, w.HELLO_HDR.size))
+        text = w.recv_exact(s, min(n, w.MAX_HELLO)).decode(errors="replace")
+        if status != w.OK:
+            raise ConnectionError(f"{where} refused our HELLO authentication: {text} (is "
+                                  "DUPLEXKV_KV_SECRET the same on both workers?)")
 
     def _drop(self) -> None:
         if self.sock is not None:
@@ -113,7 +142,8 @@ class PeerLink:
             check()
             s = self._connect(h.deadline)
             n = len(h.remote_block_ids)
-            req = w.READ_HDR.pack(w.READ, job.xfer_id, n, len(job.notif))
+            req = w.READ_HDR.pack(w.READ, job.xfer_id, n, len(job.notif),
+                                  h.token[: w.TOKEN_BYTES])
             w.sendmsg_all(s, [req, _pack_ids(h.remote_block_ids), job.notif], check)
             status, xfer_id, length = w.READ_REPLY.unpack(
                 w.recv_exact(s, w.READ_REPLY.size, check))

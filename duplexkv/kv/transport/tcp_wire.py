@@ -1,12 +1,24 @@
 """The TCP transport's wire format and zero-copy socket helpers (standard library only).
 
 One connection per (reader, holder) pair, opened by the reader; messages from the reader:
-    HELLO  ">BH"  type=1, json length        + {"from": reader id, "to": holder id}
-           reply ">BH" status, text length   + text (status 0 = ok)
-    READ   ">BQII" type=2, xfer id, n, notif length + n x u32 remote block ids + notif
+    HELLO  ">BH"  type=1, json length        + {"from": reader id, "to": holder id,
+                                                "nonce": 32 hex digits (cn)}
+           reply ">BH" status, json length   + {"nonce": 32 hex digits (sn), "mac": hex of
+                                                HMAC(k, "holder" | cn | sn | holder id)}
+                                                (status 0), or the text "refused" (status 1)
+    AUTH   ">BH"  type=4, 32                 + HMAC(k, "reader" | cn | sn | reader id |
+                                                holder id)
+           reply ">BH" status, text length   + text (status 0 = ok; 1 = "refused")
+    READ   ">BQII16s" type=2, xfer id, n, notif length, capability token + n x u32 remote
+           block ids + notif
            reply ">BQQ" status, xfer id, payload length + payload: the n blocks in request
            order (status 0), or an error text (status 1)
     NOTIF  ">BI"  type=3, length             + msg (no reply)
+k is the hello key derived from the cluster secret (kv/auth.py); each side checks the other's
+MAC before it goes on, so neither learns anything from a peer without the secret, and the
+holder's refusal never names its engine id. Nothing but HELLO and AUTH is accepted before the
+AUTH succeeded. The capability token is the one the holder's verify returned (section 2): the
+holder serves only blocks of that live claim, in the claim's order, at most the claim's count.
 The holder sends block data with sendmsg over memoryviews of its pool (no copy in user space)
 and the reader receives with recvmsg_into straight into its own blocks.
 """
@@ -20,10 +32,13 @@ import struct
 
 import torch
 
-HELLO, READ, NOTIF = 1, 2, 3
+HELLO, READ, NOTIF, AUTH = 1, 2, 3, 4
 OK, ERR = 0, 1
 HELLO_HDR = struct.Struct(">BH")
-READ_HDR = struct.Struct(">BQII")
+READ_HDR = struct.Struct(">BQII16s")
+TOKEN_BYTES = 16
+NONCE_BYTES = 16
+MAX_HELLO = 4096
 READ_REPLY = struct.Struct(">BQQ")
 NOTIF_HDR = struct.Struct(">BI")
 MAX_NOTIF = 1 << 20

@@ -1,0 +1,300 @@
+"""The KV plane's security findings, replayed against real worker processes (README, "Security
+model"; docs/protocol.md, section 6). The attacker is this test process: a separate local process
+that can reach the workers' side channel and transport ports.
+
+(a) no secret: no engine id from the side channel, no block from the transport; a stolen engine
+    id without a claim: no block; released blocks: unreadable; READ bounded by the claim
+(b)(c) forged, unsigned or edited params: declined as `untrusted`, output as without reuse
+(d) params naming any host:port: no connection there
+(e) 300 idle transport connections: not 300 threads
+and: without a secret, no non-loopback bind; the secret is never logged.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from workers import (
+    TEST_SECRET,
+    decode_leg,
+    kv_config,
+    prefill_leg,
+    start_worker,
+    wait_for,
+)
+
+ARGS = ("--num-kv-blocks", "128", "--max-model-len", "1024")
+PROMPT = list(range(500, 580))  # 80 tokens: 5 blocks of 16
+
+
+def body(**kw) -> dict:
+    return {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **kw}
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("security")
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model_dir, tmp):
+    kv = kv_config("TcpConnector", bidirectional_kv_xfer=True)
+    p = start_worker(tiny_model_dir, tmp / "p.log", *ARGS, "--no-enable-prefix-caching", kv=kv)
+    d = start_worker(tiny_model_dir, tmp / "d.log", *ARGS, kv=kv)
+    yield p, d
+    p.stop()
+    d.stop()
+
+
+def _turn(p, d) -> tuple[dict, dict]:
+    """A real P leg and D leg: P's params, and D's response (D now holds the turn)."""
+    pj = prefill_leg(p, "/v1/completions", body())
+    r = decode_leg(d, "/v1/completions", body(), pj["kv_transfer_params"])
+    assert r.status_code == 200, r.text
+    return pj["kv_transfer_params"], r.json()
+
+
+def _addr(s: str) -> tuple[str, int]:
+    host, port = s.rsplit(":", 1)
+    return host, int(port)
+
+
+def _recv_all(s: socket.socket, timeout_s: float = 3.0) -> bytes:
+    s.settimeout(timeout_s)
+    out = b""
+    try:
+        while chunk := s.recv(1 << 20):
+            out += chunk
+    except OSError:
+        pass
+    return out
+
+
+def _declined(w, reason: str) -> int:
+    return w.kv()["counters"]["declined"].get(reason, 0)
+
+
+# (a) ---------------------------------------------------------------------------------------
+def test_side_channel_tells_a_peer_without_the_secret_nothing(pd):
+    """A plain ZMQ client (no CURVE keys) asking D's side channel for `meta` gets no answer at
+    all; it used to get the engine id and the transport's address."""
+    _, d = pd
+    host, port = _addr(d.kv()["side_channel"])
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 2000)
+    try:
+        sock.connect(f"tcp://{host}:{port}")
+        sock.send(b"\x91\xa4meta")  # msgpack ["meta"]
+        with pytest.raises(zmq.Again):
+            sock.recv()
+    finally:
+        sock.close(0)
+
+
+def test_transport_gives_no_block_and_no_engine_id_without_the_secret(pd):
+    """Knowing D's engine id (stolen) is not enough: the HELLO needs the secret, the refusal
+    names no engine, and a READ sent anyway returns no block data."""
+    p, d = pd
+    _turn(p, d)  # D holds a finished turn
+    kv = d.kv()
+    engine_id = kv["engine_id"]
+    host, port = _addr(kv["transport"]["listen"])
+    # a wrong engine id: the answer must not disclose the real one
+    with socket.create_connection((host, port), timeout=5) as s:
+        hello = json.dumps({"from": "x", "to": "guess", "nonce": "00" * 16}).encode()
+        s.sendall(struct.pack(">BH", 1, len(hello)) + hello)
+        s.sendall(struct.pack(">BH", 4, 32) + b"\0" * 32)
+        got = _recv_all(s)
+        assert engine_id.encode() not in got
+    # the stolen id, then a READ of D's blocks without having authenticated
+    with socket.create_connection((host, port), timeout=5) as s:
+        hello = json.dumps({"from": "x", "to": engine_id, "nonce": "00" * 16}).encode()
+        s.sendall(struct.pack(">BH", 1, len(hello)) + hello)
+        time.sleep(0.2)
+        ids = list(range(8))
+        s.sendall(struct.pack(">BQII", 2, 1, len(ids), 0) + struct.pack(f">{len(ids)}I", *ids))
+        got = _recv_all(s)
+    assert len(got) < 1024, f"{len(got)} bytes came back: block data leaked"
+    assert engine_id.encode() not in got
+
+
+def _authenticated_reader(d):
+    """A peer holding the cluster secret (an authenticated worker) but no claim."""
+    from duplexkv.kv import side_channel
+    from duplexkv.kv.auth import KVAuth
+    from duplexkv.kv.transport.tcp import TcpTransport
+
+    auth = KVAuth(TEST_SECRET.encode())
+    host, port = _addr(d.kv()["side_channel"])
+    info = side_channel.handshake(host, port, 5.0, auth=auth)
+    t = TcpTransport("attacker", timeout_s=5.0, auth=auth)
+    t.register(torch.zeros((8, info.handshake.block_bytes), dtype=torch.uint8))
+    t.connect(info.handshake.engine_id, info.handshake.transport_metadata)
+    return t, info, auth, (host, port)
+
+
+def _read(t, peer: str, remote: list[int], token: bytes = b"", notif: bytes = b"x"):
+    from duplexkv.kv.transport import XferState
+
+    h = t.read(peer, list(range(len(remote))), remote, notif, token)
+    wait_for(lambda: t.poll(h) is not XferState.PENDING, 10, "the READ")
+    state = h.state
+    t.release(h)
+    return state, h.error
+
+
+def test_no_claim_no_block_and_released_blocks_are_unreadable(pd):
+    """Even an authenticated peer READs only under a live claim's token: not without one, not
+    outside the claim's blocks, not after the entry was released."""
+    from duplexkv.kv import messages as m
+    from duplexkv.kv import side_channel
+    from duplexkv.kv.transport import XferState
+
+    p, d = pd
+    _, dj = _turn(p, d)
+    dparams = dj["kv_transfer_params"]
+    blocks = dparams["remote_block_ids"][0]
+    t, info, auth, (host, port) = _authenticated_reader(d)
+    peer = info.handshake.engine_id
+    try:
+        state, err = _read(t, peer, blocks[:2])
+        assert state is XferState.FAILED and "refused" in err, err
+        # a verify over the first block's tokens (no hashes) claims exactly that block
+        tokens = PROMPT + dj["choices"][0]["token_ids"]
+        reply = side_channel.request(host, port, m.Verify(dparams["remote_request_id"], [],
+                                                          tokens), m.VerifyReply, 5.0, auth)
+        assert 0 < reply.matched <= 16 and len(reply.token) == 16
+        state, err = _read(t, peer, blocks[1:2], reply.token)  # outside the claim
+        assert state is XferState.FAILED and "refused" in err, err
+        read_before = d.kv()["retained"]["released"]["read"]
+        state, err = _read(t, peer, blocks[:1], reply.token,
+                           f"done:{dparams['remote_request_id']}".encode())
+        assert state is XferState.DONE, err  # the claim's own block, then released
+        wait_for(lambda: d.kv()["retained"]["released"]["read"] == read_before + 1, 10,
+                 "the release")
+        state, err = _read(t, peer, blocks[:1], reply.token)
+        assert state is XferState.FAILED and "refused" in err, err
+    finally:
+        t.close()
+    d.assert_integrity()
+
+
+# (b)(c) ------------------------------------------------------------------------------------
+EDITS = {
+    "reversed blocks": lambda q: {**q, "remote_block_ids": [q["remote_block_ids"][0][::-1]]},
+    "low blocks": lambda q: {**q, "remote_block_ids": [list(range(len(q["remote_block_ids"][0])))]},
+    "signature removed": lambda q: {k: v for k, v in q.items() if k != "kv_signature"},
+    "more tokens": lambda q: {**q, "remote_num_tokens": q["remote_num_tokens"] + 1},
+    "fake holder": lambda q: {**q, "remote_request_id": "fake", "kv_signature": "0" * 64},
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_edited_or_unsigned_params_are_untrusted_and_change_no_output(pd, edit):
+    """A client's edits to a real P lease (finding c), a stripped signature or a made-up holder
+    (finding b): declined before any connection, and the answer is the one without reuse."""
+    p, d = pd
+    params = prefill_leg(p, "/v1/completions", body())["kv_transfer_params"]
+    before = _declined(d, "untrusted")
+    pulls = d.kv()["counters"]["pulls"]
+    r = decode_leg(d, "/v1/completions", body(), EDITS[edit](params))
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["token_ids"]
+    plain = decode_leg(d, "/v1/completions", body(), None).json()["choices"][0]["token_ids"]
+    assert got == plain
+    assert _declined(d, "untrusted") == before + 1
+    assert d.kv()["counters"]["pulls"] == pulls
+    d.assert_integrity()
+
+
+# (d) ---------------------------------------------------------------------------------------
+def test_unsigned_params_make_no_connection_to_the_host_they_name(pd):
+    """A canary listener named in unsigned params never sees a connection."""
+    _, d = pd
+    canary = socket.create_server(("127.0.0.1", 0))
+    canary.settimeout(0.2)
+    seen: list = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            try:
+                seen.append(canary.accept())
+            except OSError:
+                pass
+
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    try:
+        params = {"do_remote_decode": False, "do_remote_prefill": True,
+                  "remote_engine_id": "canary", "remote_request_id": "r",
+                  "remote_block_ids": [[0, 1, 2, 3, 4]], "remote_host": "127.0.0.1",
+                  "remote_port": canary.getsockname()[1], "remote_num_tokens": len(PROMPT)}
+        before = _declined(d, "untrusted")
+        r = decode_leg(d, "/v1/completions", body(), params)
+        assert r.status_code == 200, r.text
+        assert _declined(d, "untrusted") == before + 1
+        time.sleep(1.0)
+        assert not seen, "the worker connected to the host named in unsigned params"
+    finally:
+        stop.set()
+        th.join(2)
+        canary.close()
+
+
+# (e) ---------------------------------------------------------------------------------------
+def _threads(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))
+
+
+def test_idle_connections_do_not_create_a_thread_each(pd):
+    p, d = pd
+    host, port = _addr(d.kv()["transport"]["listen"])
+    base = _threads(d.proc.pid)
+    conns = []
+    try:
+        for _ in range(300):
+            try:
+                conns.append(socket.create_connection((host, port), timeout=5))
+            except OSError:
+                pass
+        time.sleep(1.5)
+        grown = _threads(d.proc.pid) - base
+        assert grown < 100, f"{grown} more threads for 300 idle connections"
+    finally:
+        for c in conns:
+            c.close()
+    # the server still serves real readers
+    _, dj = _turn(p, d)
+    assert dj["kv_transfer_params"]["do_remote_decode"] is True
+    assert d.kv()["counters"]["pulls"] >= 1
+
+
+# secret handling ---------------------------------------------------------------------------
+def test_without_a_secret_a_non_loopback_bind_is_refused(tiny_model_dir, tmp):
+    with pytest.raises(RuntimeError, match="DUPLEXKV_KV_SECRET"):
+        w = start_worker(tiny_model_dir, tmp / "open.log", *ARGS, secret=None,
+                         kv=kv_config("TcpConnector", side_channel_host="0.0.0.0"))
+        w.stop()
+
+
+def test_the_secret_is_never_logged_nor_in_a_repr(pd):
+    from duplexkv.kv.auth import KVAuth
+
+    p, d = pd
+    assert TEST_SECRET not in repr(KVAuth(TEST_SECRET.encode()))
+    for w in (p, d):
+        assert TEST_SECRET not in w.log.read_text(errors="replace")
+        assert TEST_SECRET not in json.dumps(w.health())
