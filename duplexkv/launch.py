@@ -93,12 +93,10 @@ def _die_with_parent() -> None:
 # oneDNN keeps a JIT-compiled matmul per input shape in two LRU caches (its primitive cache and
 # ideep's), 1024 entries each by default: in bf16 on an AMX CPU every new prefill length adds
 # ~0.3 MB there, so a worker's RSS rose by ~600 MB before the caches filled. 256 entries still
-# hold every decode batch size (<= 64 per weight shape). glibc's mmap threshold rises with every
-# freed large block (up to 32 MiB), after which activation tensors and those cache entries come
-# from the heaps and leave holes there that are never returned: D's free-but-held heap memory
-# grew to 238 MB in a 150 s soak; with the threshold fixed at its initial 128 KiB, 21 MB.
+# hold every decode batch size (<= 64 per weight shape). (Free heap memory is returned by the
+# engine's periodic malloc_trim: engine/memory.py.)
 WORKER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256",
-                       "LRU_CACHE_CAPACITY": "256", "MALLOC_MMAP_THRESHOLD_": "131072"}
+                       "LRU_CACHE_CAPACITY": "256"}
 
 
 def worker_env(extra: dict | None = None) -> dict:

@@ -16,6 +16,7 @@ from typing import AsyncIterator, Callable
 
 from duplexkv.engine.kv_transfer import KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine, RequestOutput
+from duplexkv.engine.memory import HeapTrimmer
 from duplexkv.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class AsyncEngine:
         # called (on the engine thread) once the engine has died and every client was told;
         # the server uses it to exit non-zero so that a supervisor restarts the worker
         self.on_dead: Callable[[str], None] | None = None
+        self.trimmer = HeapTrimmer()
 
     def start(self) -> None:
         self._thread.start()
@@ -161,6 +163,7 @@ class AsyncEngine:
                     pass
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
+                self.trimmer.tick()
         except BaseException as e:  # unrecoverable (EngineFatal or a bug): fail everyone, loudly
             log.exception("engine thread died")
             self.dead = f"engine failed: {e!r}"
