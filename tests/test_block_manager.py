@@ -166,3 +166,21 @@ def test_remote_kv_does_not_starve_older_waiting_requests():
     sched.finish(hog, "stop")
     batch = [x.seq for x in sched.schedule()]
     assert batch[0] is old
+
+
+def test_landed_remote_kv_runs_first_so_a_full_pool_cannot_lock():
+    """Requests whose remote KV landed hold their blocks; queued by arrival behind an older
+    request that needs more blocks than are free, none could ever run (a soak locked D with 40
+    waiting requests and 1015 of 1024 blocks in use). They go to the front instead."""
+    bm = BlockManager(8, BS, False, b"s")
+    sched = Scheduler(bm, max_num_batched_tokens=1024, max_num_seqs=8)
+    old = make_seq(0, range(6 * BS))  # needs 6 blocks
+    young = make_seq(1, range(100, 100 + 4 * BS))  # pulls 4 blocks' worth of remote KV
+    sched.park_for_remote_kv(young)
+    assert sched.reserve_for_remote_kv(young, 4 * BS) is not None  # nobody is blocked yet
+    sched.add(old)
+    sched.resume(young, 4 * BS - 1)  # landed: all but the last token computed
+    assert list(sched.waiting) == [young, old]
+    assert [x.seq for x in sched.schedule()] == [young]  # old waits for young to finish
+    sched.finish(young, "stop")
+    assert [x.seq for x in sched.schedule()] == [old]

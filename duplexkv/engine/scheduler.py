@@ -157,16 +157,23 @@ class Scheduler:
         return list(seq.block_table) if self._allocate(seq, num_tokens) else None
 
     def resume(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
-        """Back to the front of the queue: with `num_computed_tokens` computed (remote KV
-        landed in its blocks), or, by default, only its local prefix hit."""
+        """Back to the queue: with `num_computed_tokens` computed (remote KV landed in its
+        blocks) at the front, since its blocks are taken and only running it frees them; or, by
+        default, with only its local prefix hit, at its arrival position (neither jumping nor
+        falling behind the others: a declined pull once waited behind every newer request)."""
         del self.parked[seq.request_id]
+        landed = num_computed_tokens is not None
         if num_computed_tokens is None:
             num_computed_tokens = min(seq.num_computed_tokens,
                                       seq.num_hashed_blocks * self.bm.block_size)
         assert num_computed_tokens <= seq.num_blocks * self.bm.block_size
         seq.num_computed_tokens = num_computed_tokens
         seq.status = SeqStatus.WAITING
-        self._enqueue_by_arrival(seq)
+        if landed or seq.num_blocks > seq.num_hashed_blocks:
+            # it holds blocks beyond shared prefix hits: run it first, so that they are freed
+            self.waiting.appendleft(seq)
+        else:
+            self._enqueue_by_arrival(seq)
 
     def _enqueue_by_arrival(self, seq: Sequence) -> None:
         """Back into the queue at its arrival position, so that requests resumed after a pull
