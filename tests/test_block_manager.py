@@ -184,3 +184,21 @@ def test_landed_remote_kv_runs_first_so_a_full_pool_cannot_lock():
     assert [x.seq for x in sched.schedule()] == [young]  # old waits for young to finish
     sched.finish(young, "stop")
     assert [x.seq for x in sched.schedule()] == [old]
+
+
+def test_requests_holding_their_blocks_pass_a_blocked_head():
+    """A preempted request (no blocks, needs many) at the head and requests behind it holding
+    their landed remote KV: strict first-in-first-out admission locked a soak's D (40 waiting,
+    0 running, 995 of 1024 blocks held by the queue). Those holding their blocks may pass."""
+    bm = BlockManager(8, BS, False, b"s")
+    sched = Scheduler(bm, max_num_batched_tokens=1024, max_num_seqs=8)
+    landed = make_seq(1, range(100, 100 + 4 * BS))
+    sched.park_for_remote_kv(landed)
+    assert sched.reserve_for_remote_kv(landed, 4 * BS) is not None
+    sched.resume(landed, 4 * BS - 1)
+    head = make_seq(0, range(6 * BS))  # needs 6 of the 4 free blocks
+    sched.waiting.appendleft(head)  # as a preempted request goes back
+    assert [x.seq for x in sched.schedule()] == [landed]
+    assert sched.blocked_head is head and list(sched.waiting) == [head]
+    sched.finish(landed, "stop")
+    assert [x.seq for x in sched.schedule()] == [head]

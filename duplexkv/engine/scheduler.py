@@ -86,20 +86,28 @@ class Scheduler:
                 i += 1
                 continue
             break  # seq itself was preempted; nothing after it is left
-        # then admit waiting sequences in order
+        # then admit waiting sequences in order; behind a head that cannot get its blocks, only
+        # sequences that already hold their own (landed remote KV) may pass it: they need little
+        # more, and running them is the only way their blocks come free again
         self.blocked_head = None
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if self.blocked_head is not None and not self._holds_own_blocks(seq):
+                i += 1
+                continue
             if not seq.block_table:
                 self.apply_prefix_hit(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self._allocate(seq, seq.num_computed_tokens + n):
-                self.blocked_head = seq
+                if self.blocked_head is None:
+                    self.blocked_head = seq
                 if seq.status is SeqStatus.WAITING and seq.num_hashed_blocks == seq.num_blocks:
                     self.bm.free(seq)  # do not hold prefix hits while queued
                     seq.num_computed_tokens = 0
-                break
-            self.waiting.popleft()
+                i += 1
+                continue
+            del self.waiting[i]
             seq.status = SeqStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.perf_counter()
@@ -108,6 +116,11 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         return batch
+
+    @staticmethod
+    def _holds_own_blocks(seq: Sequence) -> bool:
+        """Blocks beyond shared prefix hits (e.g. remote KV that landed in them)."""
+        return seq.num_blocks > seq.num_hashed_blocks
 
     def apply_prefix_hit(self, seq: Sequence) -> None:
         # at least one token must be computed to get logits, so never hit the whole sequence
@@ -169,7 +182,7 @@ class Scheduler:
         assert num_computed_tokens <= seq.num_blocks * self.bm.block_size
         seq.num_computed_tokens = num_computed_tokens
         seq.status = SeqStatus.WAITING
-        if landed or seq.num_blocks > seq.num_hashed_blocks:
+        if landed or self._holds_own_blocks(seq):
             # it holds blocks beyond shared prefix hits: run it first, so that they are freed
             self.waiting.appendleft(seq)
         else:
