@@ -251,6 +251,8 @@ class LLMEngine:
         a failure of the whole forward pass ends the batch's requests, then the pool's
         integrity is checked and the engine goes on (EngineFatal when it cannot)."""
         outputs = self._poll_connector()
+        if outputs:  # e.g. a D leg's first token: to its client now, not after a forward pass
+            return outputs
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
@@ -258,7 +260,7 @@ class LLMEngine:
         try:
             logits = self.runner.run(batch)
         except Exception as e:
-            return outputs + self._fail_step(batch, e)
+            return self._fail_step(batch, e)
         self._consecutive_step_failures = 0
         dt_ms = (time.perf_counter() - t0) * 1e3
         sampling = [item for item in batch if item.samples]
