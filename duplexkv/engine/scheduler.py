@@ -175,14 +175,15 @@ class Scheduler:
         default, with only its local prefix hit, at its arrival position (neither jumping nor
         falling behind the others: a declined pull once waited behind every newer request)."""
         del self.parked[seq.request_id]
-        landed = num_computed_tokens is not None
         if num_computed_tokens is None:
             num_computed_tokens = min(seq.num_computed_tokens,
                                       seq.num_hashed_blocks * self.bm.block_size)
+        else:  # landed KV beyond the prefix hit sits in blocks reserved for it
+            assert self._holds_own_blocks(seq), "remote KV landed without reserved blocks"
         assert num_computed_tokens <= seq.num_blocks * self.bm.block_size
         seq.num_computed_tokens = num_computed_tokens
         seq.status = SeqStatus.WAITING
-        if landed or self._holds_own_blocks(seq):
+        if self._holds_own_blocks(seq):
             # it holds blocks beyond shared prefix hits: run it first, so that they are freed
             self.waiting.appendleft(seq)
         else:
