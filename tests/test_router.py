@@ -506,7 +506,7 @@ def test_503_when_every_decode_worker_is_down_or_answers_503(workers, tiny_model
             assert resp.status_code == 503, resp.text
             err = resp.json()["error"]
             assert err["message"].startswith("No decode worker could serve the request: decode[0]")
-            assert err["code"] == "no_worker_available"
+            assert err["code"] == 503 and err["type"] == "service_unavailable_error"
             assert_no_address(resp.text, tiny_model_dir)
         h = r.get("/health")
         assert h.status_code == 503 and [b["name"] for b in h.json()["decode"]] == ["decode[0]"]

@@ -494,7 +494,7 @@ def test_failing_steps_fail_their_requests_then_the_engine_is_dead(tiny_model_di
     assert eng.dead and "boom" in eng.dead and dead == [eng.dead]
     for resp in r[:MAX_CONSECUTIVE_STEP_FAILURES]:
         assert resp.status_code == 500, resp.text
-        assert resp.json()["error"]["code"] == "request_failed"
+        assert resp.json()["error"]["code"] == 500
         assert "boom" in resp.json()["error"]["message"]
     for resp in r[MAX_CONSECUTIVE_STEP_FAILURES:]:
         assert resp.status_code == 503, resp.text

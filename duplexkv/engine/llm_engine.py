@@ -72,6 +72,8 @@ class RequestOutput:
     kv_stats: KVStats | None = None
     kv_transfer_params: KVTransferParams | None = None  # the connector's, on the final output
     error: str | None = None  # with finish_reason "error"
+    # as vLLM: the stop string or stop token id that ended it; None for eos and length
+    stop_reason: int | str | None = None
 
 
 @dataclass(slots=True)
@@ -135,12 +137,14 @@ class LLMEngine:
         return self.config.max_model_len  # type: ignore[return-value]
 
     # requests
-    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True) -> list[int]:
+    def tokenize(self, prompt: Prompt, add_generation_prompt: bool = True,
+                 template_kwargs: dict | None = None) -> list[int]:
         """Prompt -> ids. A text far beyond the context is refused as soon as that is certain,
-        without materialising its ids."""
+        without materialising its ids. `template_kwargs`: a chat's tools, documents and
+        chat_template_kwargs, passed to the chat template."""
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             prompt = self.tokenizer.apply_chat_template(
-                prompt, add_generation_prompt=add_generation_prompt)
+                prompt, add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
         if isinstance(prompt, str):
             try:
                 return self.tokenizer.encode(prompt, limit=self.max_model_len)
@@ -381,14 +385,16 @@ class LLMEngine:
         seq.output_token_ids.append(tok)
         st.text += st.detok.push([tok])
         n_out = seq.num_output_tokens
-        reason = None
+        reason, stop_reason = None, None
         if n_out >= p.min_tokens:
-            eos = not p.ignore_eos and tok in self.tokenizer.eos_token_ids
-            if tok in p.stop_token_ids or eos:
+            if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
                 reason = "stop"
+            elif tok in p.stop_token_ids:
+                reason, stop_reason = "stop", tok
             elif p.stop:
-                cut = self._find_stop(st.text, p.stop)
-                if cut is not None:
+                found = self._find_stop(st.text, p.stop)
+                if found is not None:
+                    cut, stop_reason = found
                     st.text, reason = st.text[:cut], "stop"
         if reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
@@ -411,12 +417,13 @@ class LLMEngine:
         st.sent_tokens = n_out
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
                              st.text[:visible], new_ids, new_text, reason is not None, reason,
-                             seq.stats, kv_params)
+                             seq.stats, kv_params, stop_reason=stop_reason)
 
     @staticmethod
-    def _find_stop(text: str, stops: list[str]) -> int | None:
-        found = [i for i in (text.find(s) for s in stops) if i >= 0]
-        return min(found) if found else None
+    def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+        """(where the earliest stop string starts, that string), or None."""
+        found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+        return min(found, key=lambda f: f[0]) if found else None
 
     def check_integrity(self) -> None:
         """Pool invariants, and every block reference accounted for (sequences + pins)."""

@@ -1,7 +1,10 @@
 """API keys, as vLLM's `--api-key`: shared by the worker and the router.
 
 With keys configured, every request needs `Authorization: Bearer <one of the keys>`, except
-`GET /health` and `/metrics` (open, as in vLLM, for probes and scrapers). Anything else, unknown
+`/health`, `/metrics` and `/version` (open, as in vLLM, for probes and scrapers). vLLM's keys guard
+only the `/v1/...` paths; ours guard every other path too (`/tokenize`, `/detokenize`, `/debug/...`,
+unknown paths): they cost the server work or show its state, and vLLM's own security guide warns
+that its keys leave such endpoints open. Anything else, unknown
 paths included, gets a 401 in OpenAI's error shape (`invalid_api_key`, as OpenAI answers) with
 `WWW-Authenticate: Bearer`. Only the `Authorization` header counts: OpenAI's clients send it, and
 vLLM reads nothing else (`x-api-key` is Anthropic's convention).
@@ -25,14 +28,14 @@ from duplexkv.http.errors import APIError
 
 API_KEY_ENV = "DUPLEXKV_API_KEY"  # a worker's or a router's client keys
 WORKER_API_KEY_ENV = "DUPLEXKV_WORKER_API_KEY"  # the key a router sends to its workers
-OPEN_PATHS = frozenset(("/health", "/metrics"))
+OPEN_PATHS = frozenset(("/health", "/metrics", "/version"))
 _SCOPE_KEY = "duplexkv.api_key"
 
 
 def invalid_api_key(missing: bool) -> APIError:
     message = ("You didn't provide an API key. Send it as `Authorization: Bearer <key>`."
                if missing else "Incorrect API key provided.")
-    return APIError(401, message, code="invalid_api_key")
+    return APIError(401, message)
 
 
 def check_key(key: str, what: str = "--api-key") -> str:

@@ -25,7 +25,7 @@ DEFAULT_MAX_JSON_DEPTH = 64
 
 def too_large(limit: int) -> APIError:
     return APIError(413, f"The request body is larger than this server accepts ({limit} bytes; "
-                         f"see --max-request-bytes).", code="request_too_large")
+                         f"see --max-request-bytes).")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -1,4 +1,8 @@
-"""API errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+"""API errors in vLLM's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+As in vLLM (and unlike OpenAI, whose `code` is a string identifier), `code` is the HTTP status as an
+integer; `type` keeps OpenAI's names (`invalid_request_error`, `not_found_error`, ...).
+"""
 
 from __future__ import annotations
 
@@ -13,14 +17,13 @@ class APIError(Exception):
     message: str
     type: str = "invalid_request_error"
     param: str | None = None
-    code: str | None = None
 
     def __str__(self) -> str:
         return self.message
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+                          "code": self.status}}
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
@@ -38,12 +41,11 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", type="not_found_error",
-                    param="model", code="model_not_found")
+                    param="model")
 
 
 def engine_unavailable(reason: str) -> APIError:
-    return APIError(503, f"The engine is not available: {reason}", type="service_unavailable_error",
-                    code="engine_dead")
+    return APIError(503, f"The engine is not available: {reason}", type="service_unavailable_error")
 
 
 def internal_error(exc: BaseException) -> APIError:

@@ -11,8 +11,7 @@ DEFAULT_MAX_HEADER_BYTES = 32 << 10
 
 
 def headers_too_large(limit: int) -> APIError:
-    return APIError(431, f"The request headers are larger than the limit of {limit} bytes.",
-                    code="request_header_fields_too_large")
+    return APIError(431, f"The request headers are larger than the limit of {limit} bytes.")
 
 
 class HeaderLimit:

@@ -1,7 +1,9 @@
 """OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) -> a typed `GenerateRequest`.
 
-Validation is ours, not pydantic's, so every mistake becomes a 400 that names the field. Unknown
-fields (`user`, `conversation_id`, `session_id`, ...) are ignored, as vLLM does. The worker and the
+Validation is ours, not pydantic's, so every mistake becomes a 400 that names the field. A feature
+we cannot honour (`response_format`, guided decoding, ...) is a 400 naming it; unknown fields are
+logged once per name and ignored, as vLLM does (`request_fields`). A chat's `tools`,
+`chat_template_kwargs` and `documents` go to the chat template (`chat_options`). The worker and the
 router both validate with this module; the worker then turns the request into the engine's
 `SamplingParams` (value ranges) and `KVTransferParams`.
 """
@@ -11,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from duplexkv.http.chat_options import ChatOptions, parse_chat_options
 from duplexkv.http.errors import bad_request
+from duplexkv.http.request_fields import reject_unsupported, unknown_fields
 
 Kind = Literal["completion", "chat"]
 ROLES = ("system", "user", "assistant", "tool", "developer")  # developer is sent as system
@@ -43,6 +47,7 @@ class GenerateRequest:
     include_usage: bool = False
     return_token_ids: bool = False  # vLLM extension: token ids on each choice
     kv_transfer_params: dict | None = None  # typed by the worker (KVTransferParams)
+    chat_options: ChatOptions = field(default_factory=ChatOptions)  # chat: tools, template kwargs
 
     def sampling_kwargs(self, max_tokens: int) -> dict[str, Any]:
         """The engine's SamplingParams fields (the engine checks their ranges)."""
@@ -93,6 +98,8 @@ class _Fields:
 
 def parse_request(body: dict, kind: Kind) -> GenerateRequest:
     f = _Fields(body)
+    reject_unsupported(body)
+    unknown_fields.note(body, kind)
     model = f.get("model", (str,), "a string")
     n = f.integer("n", 1)
     if n != 1:
@@ -131,8 +138,9 @@ def parse_request(body: dict, kind: Kind) -> GenerateRequest:
         return GenerateRequest(prompt=_prompt(body["prompt"]), **common)
     if "messages" not in body or body["messages"] is None:
         raise bad_request("`messages` is required", "messages")
-    return GenerateRequest(messages=_messages(body["messages"]),
-                           add_generation_prompt=f.boolean("add_generation_prompt", True), **common)
+    return GenerateRequest(messages=parse_messages(body["messages"]),
+                           add_generation_prompt=f.boolean("add_generation_prompt", True),
+                           chat_options=parse_chat_options(body), **common)
 
 
 def _logit_bias(v: Any) -> dict[int, float]:
@@ -191,7 +199,7 @@ def _prompt(v: Any) -> str | list[int]:
                       "those", "prompt")
 
 
-def _messages(v: Any) -> list[dict]:
+def parse_messages(v: Any) -> list[dict]:
     if not isinstance(v, list) or not v:
         raise bad_request("`messages` must be a non-empty list of message objects", "messages")
     return [_message(i, m) for i, m in enumerate(v)]
@@ -241,4 +249,4 @@ def _content(v: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-__all__ = ["GenerateRequest", "Kind", "parse_request"]
+__all__ = ["GenerateRequest", "Kind", "parse_request", "parse_messages"]

@@ -70,7 +70,17 @@ SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# ChatML, like Qwen's: tools as a system turn listing their JSON schemas, and Qwen3's
+# `enable_thinking=False` as an empty think block after the generation prompt (what vLLM users
+# pass in `chat_template_kwargs`); without either it renders exactly as before
 CHAT_TEMPLATE = (
+    "{%- if tools %}\n"
+    "{{- '<|im_start|>system\\n# Tools\\n<tools>' }}\n"
+    "{%- for tool in tools %}\n"
+    "{{- '\\n' + (tool | tojson) }}\n"
+    "{%- endfor %}\n"
+    "{{- '\\n</tools><|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
     "{%- for message in messages %}\n"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}\n"
     "{%- if message['content'] is string %}\n"
@@ -84,6 +94,9 @@ CHAT_TEMPLATE = (
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n"
     "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}\n"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}\n"
+    "{%- endif %}\n"
     "{%- endif %}\n"
 )
 EMBED_SCALE_SPREAD = 0.35

@@ -118,6 +118,9 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
     def encode(self, text: str, add_special_tokens: bool = False,
                limit: int | None = None) -> list[int]:
         """Token ids; `segment_cache.TooManyTokens` as soon as more than `limit` are certain."""

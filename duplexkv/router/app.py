@@ -6,6 +6,7 @@ layer, so the hot path stays short).
     GET  /health       per-backend state; 503 while no P or no D is healthy; status "degraded"
                        (200) while the conversation store is failing (turns run as misses)
     GET  /metrics      Prometheus
+    GET  /version      {"version": ...}, as vLLM
 
 Client input is bounded before anything else runs: headers over `max_header_bytes` get a 431,
 bodies over `max_request_bytes` a 413 (read no further), and `request.parse_client_request`
@@ -31,6 +32,7 @@ from duplexkv.http.auth import APIKeyAuth, api_key_of
 from duplexkv.http.body import read_body
 from duplexkv.http.errors import APIError, model_not_found
 from duplexkv.http.limits import HeaderLimit
+from duplexkv.http.version import version_endpoint
 from duplexkv.router.backends import BackendPool, HealthChecker
 from duplexkv.router.config import RouterConfig
 from duplexkv.router.metrics import RouterMetrics
@@ -111,8 +113,8 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
                 r = await client.get(b.url + "/v1/models", timeout=cfg.health_timeout_s)
                 if r.status_code == 200:
                     return JSONResponse(public_models(r))
-        return APIError(503, "No worker answered /v1/models", type="service_unavailable_error",
-                        code="no_worker_available").response()
+        return APIError(503, "No worker answered /v1/models",
+                        type="service_unavailable_error").response()
 
     async def health(_: Request) -> Response:
         try:
@@ -150,7 +152,8 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
-              Route("/metrics", prometheus, methods=["GET"])]
+              Route("/metrics", prometheus, methods=["GET"]),
+              Route("/version", version_endpoint, methods=["GET"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(HeaderLimit, max_bytes=cfg.max_header_bytes),
                                 Middleware(APIKeyAuth, keys=cfg.api_keys)],

@@ -67,7 +67,7 @@ class Relayed(Exception):
 
 def no_worker(role: str, detail: str) -> APIError:
     return APIError(503, f"No {role} worker could serve the request: {detail}",
-                    type="service_unavailable_error", code="no_worker_available")
+                    type="service_unavailable_error")
 
 
 @dataclass(slots=True)
@@ -279,8 +279,7 @@ class Proxy:
             leg.outcome = "upstream_error"
             m.upstream_errors.labels("decode", "stream").inc()
             err = APIError(502, f"the decode worker's stream broke ({d.name}: "
-                           f"{type(e).__name__})", type="server_error",
-                           code="upstream_stream_error")
+                           f"{type(e).__name__})", type="server_error")
             yield b"data: " + dumps(err.body()) + b"\n\ndata: [DONE]\n\n"
         finally:
             await self._close(leg)

@@ -1,9 +1,12 @@
-"""The worker's FastAPI app: OpenAI endpoints plus /health, /metrics and /debug/engine.
+"""The worker's FastAPI app: OpenAI endpoints plus vLLM's extras, /health, /metrics and
+/debug/engine.
 
     POST /v1/completions, /v1/chat/completions   (serving.OpenAIServing)
-    GET  /v1/models, /health, /metrics, /debug/engine
+    POST /tokenize, /detokenize                  (tokenize, vLLM's shapes)
+    GET  /v1/models, /version, /health, /metrics, /debug/engine
 
-With `api_keys`, every path but /health and /metrics needs one of them (`duplexkv.http.auth`).
+With `api_keys`, every path but /health, /metrics and /version needs one of them
+(`duplexkv.http.auth`).
 
 Request bodies are read raw and validated by `protocol`, so client mistakes are 400s in OpenAI's
 error shape (never FastAPI's 422); a dead engine thread gives 503.
@@ -25,7 +28,9 @@ from duplexkv.engine.async_engine import AsyncEngine
 from duplexkv.http import debug_memory
 from duplexkv.http.auth import APIKeyAuth
 from duplexkv.http.errors import APIError, bad_request, engine_unavailable, internal_error
+from duplexkv.http.version import version_endpoint
 from duplexkv.server.metrics import EngineSnapshot, ServerMetrics
+from duplexkv.server import tokenize
 from duplexkv.server.serving import OpenAIServing
 
 log = logging.getLogger("duplexkv.server")
@@ -56,7 +61,7 @@ def build_app(aeng: AsyncEngine, served_model_name: str,
     """The app for one engine; `health_extra()` adds fields to /health (e.g. the KV layer's)."""
     app = FastAPI(title="duplexkv worker", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(APIKeyAuth, keys=api_keys)
-    metrics = ServerMetrics(served_model_name)
+    metrics = ServerMetrics(served_model_name, aeng.engine)
     for collector in collectors:  # e.g. the KV connector's
         metrics.registry.register(collector)
     serving = OpenAIServing(aeng, served_model_name, metrics, max_request_bytes
@@ -128,6 +133,8 @@ def build_app(aeng: AsyncEngine, served_model_name: str,
         metrics.update(not aeng.dead, await _snapshot(aeng))
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    tokenize.add_routes(app, serving)
+    app.add_route("/version", version_endpoint, methods=["GET"])
     debug_memory.add_route(app, lambda: _structures(aeng, serving))
     return app
 

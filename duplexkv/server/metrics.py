@@ -1,4 +1,5 @@
-"""Prometheus metrics of one worker app (its own CollectorRegistry, so apps never clash)."""
+"""Prometheus metrics of one worker app (its own CollectorRegistry, so apps never clash): ours
+(`duplexkv_*`) and, given the engine, vLLM's names for the concepts we share (`vllm_metrics`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from prometheus_client import (
 
 from duplexkv.engine.block_manager import BlockCounts
 from duplexkv.engine.llm_engine import LLMEngine, RequestOutput
+from duplexkv.server.vllm_metrics import VLLMMetrics
 
+TTFT_SOURCES = ("pulled", "local_hit", "recomputed")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
                    80.0, 160.0)
 
@@ -52,9 +55,12 @@ class EngineSnapshot:
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, engine: LLMEngine | None = None) -> None:
         self.registry = r = CollectorRegistry()
         m = {"registry": r}
+        self.vllm = None if engine is None else VLLMMetrics(
+            r, model_name, engine.max_model_len, engine.config.block_size, engine.bm.num_blocks,
+            engine.config.enable_prefix_caching, str(engine.config.dtype))
         self.requests = Counter("duplexkv_requests", "Generation requests by endpoint and outcome",
                                 ["endpoint", "outcome"], **m)
         self.prompt_tokens = Counter("duplexkv_prompt_tokens", "Prompt tokens of finished requests",
@@ -68,6 +74,13 @@ class ServerMetrics:
                                        "Prompt tokens computed by prefill", **m)
         self.ttft = Histogram("duplexkv_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, **m)
+        self.ttft_by_source = Histogram(
+            "duplexkv_time_to_first_token_by_source_seconds", "Time to first token by where the "
+            "prompt's KV came from: pulled (some pulled from another worker), local_hit (some "
+            "from the local prefix cache, none pulled), recomputed (all computed)",
+            ["source"], buckets=LATENCY_BUCKETS, **m)
+        for source in TTFT_SOURCES:
+            self.ttft_by_source.labels(source)
         self.e2e = Histogram("duplexkv_e2e_request_latency_seconds", "End-to-end request latency",
                              buckets=LATENCY_BUCKETS, **m)
         self.running = Gauge("duplexkv_num_requests_running", "Requests in the running batch", **m)
@@ -83,16 +96,38 @@ class ServerMetrics:
         self.info = Gauge("duplexkv_model_info", "Served model", ["model"], **m)
         self.info.labels(model_name).set(1)
 
-    def record_finished(self, endpoint: str, outcome: str, out: RequestOutput | None) -> None:
+    def record_finished(self, endpoint: str, outcome: str, out: RequestOutput | None,
+                        max_tokens: int = 0) -> None:
         self.requests.labels(endpoint, outcome).inc()
         if out is None:
+            if self.vllm is not None:
+                self.vllm.success["abort" if outcome == "aborted" else "error"].inc()
             return
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(len(out.token_ids))
-        if out.kv_stats is not None:
-            self.prefix_hit_tokens.inc(out.kv_stats.local_hit_tokens)
-            self.pulled_tokens.inc(out.kv_stats.pulled_tokens)
-            self.computed_tokens.inc(out.kv_stats.computed_tokens)
+        s = out.kv_stats
+        if s is not None:
+            self.prefix_hit_tokens.inc(s.local_hit_tokens)
+            self.pulled_tokens.inc(s.pulled_tokens)
+            self.computed_tokens.inc(s.computed_tokens)
+        if self.vllm is not None:
+            n_prompt = len(out.prompt_token_ids)
+            local = s.local_hit_tokens if s is not None else 0
+            asked = n_prompt - local if s is not None and s.pull_outcome else 0
+            self.vllm.finished(out.finish_reason or "error", n_prompt, len(out.token_ids),
+                               max_tokens, local, s.pulled_tokens if s is not None else 0, asked)
+
+    def record_timings(self, ttft_s: float, e2e_s: float, out: RequestOutput) -> None:
+        """A finished request's latencies."""
+        self.ttft.observe(ttft_s)
+        self.e2e.observe(e2e_s)
+        s = out.kv_stats
+        source = ("recomputed" if s is None or (not s.pulled_tokens and not s.local_hit_tokens)
+                  else "pulled" if s.pulled_tokens else "local_hit")
+        self.ttft_by_source.labels(source).observe(ttft_s)
+        if self.vllm is not None:
+            self.vllm.timings(ttft_s, e2e_s, (s.queue_ms / 1e3) if s is not None else 0.0,
+                              len(out.token_ids))
 
     def record_rejected(self, endpoint: str, outcome: str) -> None:
         self.requests.labels(endpoint, outcome).inc()
@@ -110,6 +145,9 @@ class ServerMetrics:
         self.preemptions.set(snap.num_preemptions)
         self.failed_requests.set(snap.num_failed_requests)
         self.failed_steps.set(snap.num_failed_steps)
+        if self.vllm is not None:
+            self.vllm.update(snap.running, snap.waiting + snap.waiting_for_remote_kv, b.in_use,
+                             b.total, snap.num_preemptions)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

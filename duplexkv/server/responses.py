@@ -2,7 +2,8 @@
 
     non-stream   {id, object, created, model, choices, usage, kv_stats, kv_transfer_params}
     stream       [chat: role chunk] -> text/content chunks -> finish chunk (finish_reason,
-                 kv_stats, kv_transfer_params) -> [usage chunk, choices: []] -> data: [DONE]
+                 stop_reason, kv_stats, kv_transfer_params) -> [usage chunk, choices: []]
+                 -> data: [DONE]
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ class Formatter:
     def full(self, out: RequestOutput) -> dict:
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                      "logprobs": None, "finish_reason": out.finish_reason, "stop_reason": None}
+                      "logprobs": None, "finish_reason": out.finish_reason,
+                      "stop_reason": out.stop_reason}
         else:
             choice = {"index": 0, "text": out.text, "logprobs": None,
-                      "finish_reason": out.finish_reason, "stop_reason": None}
+                      "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
         if self.return_token_ids:
             choice["prompt_token_ids"] = out.prompt_token_ids
             choice["token_ids"] = out.token_ids
@@ -96,6 +98,7 @@ class Formatter:
                 body["choices"][0]["token_ids"] = out.new_token_ids
             return sse(body)
         body = self._chunk(out.new_text, out.finish_reason)
+        body["choices"][0]["stop_reason"] = out.stop_reason
         if self.return_token_ids:
             body["choices"][0]["token_ids"] = out.new_token_ids
         body["kv_stats"] = kv_stats(out)

@@ -65,7 +65,9 @@ class RequestCtx:
     response_id: str
     endpoint: str
     arrival: float
+    max_tokens: int = 0
     first_token: float | None = None
+    last_token: float | None = None  # when the last output with new tokens arrived
     done: bool = False
 
 
@@ -99,7 +101,8 @@ def _tokenize(engine: LLMEngine, req: GenerateRequest) -> list[int]:
     try:
         if req.kind == "completion":
             return engine.tokenize(req.prompt)  # type: ignore[arg-type]
-        return engine.tokenize(req.messages, req.add_generation_prompt)  # type: ignore[arg-type]
+        return engine.tokenize(req.messages, req.add_generation_prompt,  # type: ignore[arg-type]
+                               req.chat_options.render_kwargs())
     except RequestRejected as e:
         raise bad_request(str(e), field) from None
     except Exception as e:  # a chat template that cannot render these messages
@@ -180,7 +183,7 @@ class OpenAIServing:
             self.metrics.record_rejected(endpoint, e.outcome)
             return e.response()
         rid, resp_id = self.ids.claim(request.headers.get("x-request-id"), kind)
-        ctx = RequestCtx(rid, resp_id, endpoint, arrival)
+        ctx = RequestCtx(rid, resp_id, endpoint, arrival, prep.params.max_tokens)
         fmt = Formatter(kind, resp_id, self.model, prep.req.include_usage,
                         prep.req.return_token_ids)
         headers = {"X-Request-Id": rid}
@@ -210,17 +213,24 @@ class OpenAIServing:
         self._finish(ctx, "ok", final)
         return JSONResponse(fmt.full(final), headers=headers)
 
+    def _seen(self, out: RequestOutput, ctx: RequestCtx) -> None:
+        """Token timings as the server sees each output."""
+        now = time.perf_counter()
+        if ctx.first_token is None:
+            ctx.first_token = ctx.last_token = now
+        elif out.new_token_ids and self.metrics.vllm is not None:
+            self.metrics.vllm.token_gaps(now - (ctx.last_token or now), len(out.new_token_ids))
+            ctx.last_token = now
+
     async def _next(self, gen: AsyncIterator[RequestOutput], ctx: RequestCtx) -> RequestOutput:
         out = await gen.__anext__()
-        if ctx.first_token is None:
-            ctx.first_token = time.perf_counter()
+        self._seen(out, ctx)
         return out
 
     async def _collect(self, gen: AsyncIterator[RequestOutput], ctx: RequestCtx) -> RequestOutput:
         final = None
         async for final in gen:  # runs the stream to its end, so nothing is left to abort
-            if ctx.first_token is None:
-                ctx.first_token = time.perf_counter()
+            self._seen(final, ctx)
         assert final is not None and final.finished
         return final
 
@@ -234,6 +244,7 @@ class OpenAIServing:
                 if (line := fmt.chunk(out)) is not None:
                     yield line
                 async for out in gen:
+                    self._seen(out, ctx)
                     if (line := fmt.chunk(out)) is not None:
                         yield line
             outcome = "ok"
@@ -254,7 +265,7 @@ class OpenAIServing:
         if isinstance(e, EngineDeadError):
             return engine_unavailable(str(e))
         if isinstance(e, RequestFailed):
-            return APIError(500, str(e), type="server_error", code="request_failed")
+            return APIError(500, str(e), type="server_error")
         if isinstance(e, ValueError):  # rejected on the engine thread (e.g. kv_transfer_params)
             return bad_request(str(e))
         log.exception("%s failed", ctx.request_id)
@@ -266,13 +277,12 @@ class OpenAIServing:
         ctx.done = True
         self.ids.release(ctx.request_id)
         now = time.perf_counter()
-        self.metrics.record_finished(ctx.endpoint, outcome, out)
+        self.metrics.record_finished(ctx.endpoint, outcome, out, ctx.max_tokens)
         if out is None:
             log.info("%s %s", ctx.request_id, outcome)
             return
         ttft = (ctx.first_token or now) - ctx.arrival
-        self.metrics.ttft.observe(ttft)
-        self.metrics.e2e.observe(now - ctx.arrival)
+        self.metrics.record_timings(ttft, now - ctx.arrival, out)
         log.info("%s finished (%s): prompt=%d cached=%d output=%d ttft=%.3fs e2e=%.3fs",
                  ctx.request_id, out.finish_reason, len(out.prompt_token_ids), cached_tokens(out),
                  len(out.token_ids), ttft, now - ctx.arrival)
