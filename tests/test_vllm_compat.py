@@ -23,6 +23,7 @@ from test_router import MODEL, SYSTEM, bidi, chat, conv, start_router, user
 from workers import start_p_and_d
 
 import duplexkv
+from duplexkv.http.request_fields import UnknownFields
 from duplexkv.model.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -178,6 +179,22 @@ def test_unknown_fields_are_logged_once_per_name(workers, router):
     for log in (d.log, router.log):
         lines = [ln for ln in log.read_text().splitlines() if name in ln]
         assert len(lines) == 1 and "unknown request field" in lines[0], (log, lines)
+
+
+def test_unknown_field_names_kept_are_bounded(caplog):
+    """A client inventing field names can neither grow the set of logged names without bound nor
+    flood the log."""
+    seen = UnknownFields(limit=4)
+    with caplog.at_level("WARNING", logger="duplexkv.http"):
+        for i in range(50):
+            seen.note({"prompt": "x", f"made_up_{i}": 1, f"other_{i}": 2}, "completion")
+        seen.note({"prompt": "x", "made_up_0": 1}, "completion")
+    assert len(seen.seen) <= 5 and len(caplog.records) <= 3, (seen.seen, caplog.records)
+    assert "further unknown names are not logged" in caplog.records[-1].getMessage()
+    # chat-only fields sent to /v1/completions are unknown there (as in vLLM), not silently used
+    fresh = UnknownFields()
+    fresh.note({"prompt": "x", "tools": [], "max_tokens": 1, "user": "u"}, "completion")
+    assert fresh.seen == {"tools"}
 
 
 def _greedy(url: str, key: str, extra: dict, stream: bool = False) -> dict:
