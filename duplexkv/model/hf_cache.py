@@ -55,8 +55,8 @@ def snapshot_dir(repo_id: str, revision: str | None = None,
             f"{'' if revision == DEFAULT_REVISION else ' --revision ' + revision}`), or set "
             "HF_HUB_CACHE / HF_HOME to the cache that holds it")
     if not repo.is_dir():
-        raise ModelLoadError(f"model {repo_id!r} is neither a directory, a preset, nor in the "
-                             f"local Hugging Face cache {cache} (no {repo.name}/); {hint}")
+        raise ModelLoadError(f"{repo_id!r} is not in the local Hugging Face cache {cache} (no "
+                             f"{repo.name}/); {hint}")
     commit = revision
     if not _COMMIT.match(revision):
         ref = repo / "refs" / revision

@@ -32,7 +32,13 @@ def resolve_model(name_or_dir: str | Path, revision: str | None = None) -> Path:
     name = str(name_or_dir)
     if name not in PRESETS:
         if is_repo_id(name):
-            return snapshot_dir(name, revision)
+            try:
+                return snapshot_dir(name, revision)
+            except ModelLoadError as e:
+                raise ModelLoadError(
+                    f"model {name!r} is not a directory (one holding config.json, "
+                    f"model.safetensors and tokenizer.json) nor a preset "
+                    f"({', '.join(sorted(PRESETS))}); as a Hugging Face repo id: {e}") from None
         raise ModelLoadError(
             f"model {name!r} is neither a directory (one holding config.json, model.safetensors "
             f"and tokenizer.json), a preset ({', '.join(sorted(PRESETS))}), nor a Hugging Face "
