@@ -89,6 +89,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(sub)
+    for name, command in sub.choices.items():
+        if command.add_help and name != "bench":  # listed in --help; main() reads the file
+            command.add_argument(config_file.FLAG, metavar="FILE.yaml",
+                                 help="this command's flags from a YAML file (keys are the flag "
+                                      "names); flags given here override it")
     return parser, dict(sub.choices)
 
 
@@ -100,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rest, path = config_file.split_config(argv)
         if path is not None:
-            if not rest or rest[0] not in commands:
-                fail(f"{config_file.FLAG} goes after a command: duplexkv COMMAND --config FILE")
+            if not rest or rest[0] not in commands or rest[0] == "bench":
+                fail(f"{config_file.FLAG} goes after a command (serve, router, up, demo, "
+                     "make-model): duplexkv COMMAND --config FILE")
             argv = config_file.expand(rest, commands[rest[0]], path)
     except config_file.ConfigFileError as e:
         fail(str(e))
