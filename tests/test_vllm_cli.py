@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from duplexkv import config_file
+from duplexkv import LLM, config_file
 from duplexkv.cli import build_parser
 from duplexkv.engine.config import EngineConfig
 from duplexkv.engine.llm_engine import LLMEngine
@@ -89,6 +89,9 @@ def test_generation_config_modes(hub, tiny_model_dir, tmp_path):
     assert sampling_defaults("vllm", main) == {}
     assert sampling_defaults("auto", tiny_model_dir) == {}  # eos ids only: nothing to default
     assert sampling_defaults(str(main), tiny_model_dir) == want  # a folder
+    llm = LLM(str(main), dtype="float32", num_kv_blocks=16)  # offline: the same defaults
+    out = llm.generate([[5, 6, 7, 8]])[0]  # no SamplingParams: greedy, 5 tokens
+    assert len(out.token_ids) == 5 and llm.default_sampling_params().top_p == 0.9
     with pytest.raises(ModelLoadError, match="not found"):
         sampling_defaults(str(tmp_path), tiny_model_dir)
     (tmp_path / "generation_config.json").write_text('{"top_k": 2.5}')
