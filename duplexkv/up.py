@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from duplexkv.engine.dtype import DTYPE_CHOICES
+from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, keys_from
 from duplexkv.kv.config import CONNECTORS
 from duplexkv.launch import Cluster, ClusterSpec, LaunchError
@@ -36,8 +38,9 @@ class Shutdown(Exception):
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="bench",
                    help="model directory or preset (default: bench, made on first use)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                   help="workers' dtype (default: the workers' default, bfloat16)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                   help="workers' dtype (default: auto, bfloat16 where the CPU computes it "
+                        "natively, else float32)")
     p.add_argument("--kv-connector", choices=sorted(CONNECTORS), default="TcpConnector",
                    help="P<->D KV transport (default: TcpConnector, needs nothing extra)")
     p.add_argument("--log-dir", type=Path, default=None,
@@ -149,7 +152,7 @@ def run_up(args: argparse.Namespace) -> int:
                           api_keys=keys, worker_api_key=worker_key(args.worker_api_key))
     cluster = Cluster(spec, on_event=lambda msg: print(msg, flush=True))
     print(f"starting {spec.prefill} prefill + {spec.decode} decode worker(s) of {spec.model} "
-          f"and a router; logs in {cluster.log_dir}", flush=True)
+          f"({describe_dtype(args.dtype)}) and a router; logs in {cluster.log_dir}", flush=True)
     t0 = time.monotonic()
     try:
         with signals_as_shutdown():

@@ -42,7 +42,7 @@ def test_bad_prompts(llm):
 
 def test_bad_engine_options(tiny_model_dir):
     with pytest.raises(ValueError, match="dtype"):
-        EngineConfig(dtype="float16")
+        EngineConfig(dtype="float8_e4m3fn")  # float16 is accepted since --dtype auto
     with pytest.raises(TypeError, match="unknown engine option"):
         LLM(str(tiny_model_dir), num_kv_blocksz=3)
     with pytest.raises(ValueError, match="max_position_embeddings"):

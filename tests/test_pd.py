@@ -240,20 +240,24 @@ def test_bad_kv_transfer_params_are_4xx(cluster):
     d.assert_integrity()
 
 
-def test_bfloat16_default_p_to_d_equals_one_worker(tiny_model_dir, tmp_path):
-    """Workers started without --dtype run bfloat16 (the default), and P/D in bfloat16 gives the
-    same greedy tokens as one bfloat16 engine, all 16 of them, on several prompts. This holds
+def test_bfloat16_p_to_d_equals_one_worker(tiny_model_dir, tmp_path):
+    """P/D in bfloat16 (the default where the CPU has native bf16; test_dtype.py covers the
+    choice) gives the same greedy tokens as one bfloat16 engine, all 16 of them, on several
+    prompts. This holds
     exactly, not just for a first few tokens: D READs P's prompt KV bit for bit and starts from
     P's first token (computed by the same one-pass prefill as the single engine's), so every
     later step runs the same kernels on the same numbers. (A D that recomputes the last prompt
     token instead, as with use_prefill_first_token false, may differ in the last bits; the
     README's first_token benchmark reports how often that flips a near-tied choice.)"""
     name = "TcpConnector"  # the transport copies bytes: one connector covers the dtype
-    p = start_worker(tiny_model_dir, tmp_path / "p16.log", *ARGS, kv=kv_config(name), dtype=None)
-    d = start_worker(tiny_model_dir, tmp_path / "d16.log", *ARGS, kv=kv_config(name), dtype=None)
+    p = start_worker(tiny_model_dir, tmp_path / "p16.log", *ARGS, kv=kv_config(name),
+                     dtype="bfloat16")
+    d = start_worker(tiny_model_dir, tmp_path / "d16.log", *ARGS, kv=kv_config(name),
+                     dtype="bfloat16")
     try:
         assert p.get("/debug/engine").json()["dtype"] == "bfloat16"
-        one = LLM(str(tiny_model_dir), num_kv_blocks=96, enable_prefix_caching=False)
+        one = LLM(str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=96,
+                  enable_prefix_caching=False)
         assert one.engine.config.dtype == "bfloat16"
         for prompt in (PROMPT, PROMPT * 4, list(range(40, 240))):
             want = one.generate([prompt], SamplingParams(max_tokens=16, temperature=0,

@@ -65,7 +65,8 @@ def server(tiny_model_dir, tmp_path_factory):
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
     try:
-        yield Server(_wait_ready(proc, log), Path(tiny_model_dir).name, proc, log)
+        # no --served-model-name: the name is the model argument as given (vLLM's default)
+        yield Server(_wait_ready(proc, log), str(tiny_model_dir), proc, log)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

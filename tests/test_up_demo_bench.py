@@ -107,7 +107,7 @@ def test_up_serves_then_stops_cleanly(tiny_model_dir: Path, tmp_path: Path, stop
             if name != "router":
                 assert worker_environ(int(pid)).get("OMP_WAIT_POLICY") == (omp or "PASSIVE")
 
-        body = {"model": tiny_model_dir.name, "max_tokens": 4, "ignore_eos": True,
+        body = {"model": str(tiny_model_dir), "max_tokens": 4, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "print('hello world') " * 40}]}
         r1 = httpx.post(router + "/v1/chat/completions", json=body, timeout=60,
                         headers={"X-Session-ID": "t"})

@@ -109,8 +109,11 @@ def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = Non
     environment; an API key variable inherited from the caller's is dropped unless given here.
     `secret`: the KV cluster secret (DUPLEXKV_KV_SECRET), None for none (the KV plane is then
     loopback only)."""
+    name = Path(model).name  # the served name the tests use (the default is `model` as given)
+    named = () if {"--served-model-name", "--config"} & set(args) else \
+        ("--served-model-name", name)
     cmd = [DUPLEXKV, "serve", str(model), "--host", "127.0.0.1", "--port", "0",
-           *(("--dtype", dtype) if dtype else ()), *args]
+           *(("--dtype", dtype) if dtype else ()), *named, *args]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
     full_env = worker_env({"UCX_NET_DEVICES": "lo", **NO_KEYS, "DUPLEXKV_KV_SECRET": secret,
@@ -121,7 +124,7 @@ def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = Non
     while time.monotonic() < deadline:
         m = re.search(r"serving .* on (http://[\d.]+:\d+)", log.read_text(errors="replace"))
         if m and httpx.get(m.group(1) + "/health", timeout=10).status_code == 200:
-            return Worker(m.group(1), proc, log, Path(model).name)
+            return Worker(m.group(1), proc, log, name)
         if proc.poll() is not None:
             raise RuntimeError(f"worker exited ({proc.returncode}):\n{log.read_text()}")
         time.sleep(0.1)

@@ -19,6 +19,7 @@ from rich.table import Table
 from duplexkv.bench.client import Result
 from duplexkv.bench.multiturn import BenchConfig, make_console, prepare, run_modes
 from duplexkv.bench.report import ratio
+from duplexkv.bench.targets import dtype_note
 from duplexkv.bench.workload import Sizes
 from duplexkv.launch import LaunchError
 from duplexkv.up import add_cluster_args
@@ -55,6 +56,7 @@ def run(cfg: BenchConfig, console: Console | None = None) -> list[Result]:
     t0 = time.perf_counter()
     console.print(__doc__.split("\n\n")[1].replace("\n", " "))
     convs, source = prepare(cfg, console)
+    console.print(dtype_note(cfg))
     results, _ = run_modes(cfg, console, convs, source)
     console.print(demo_table(results))
     last = max((r.turn for r in results if r.mode == "on" and not r.error), default=0)

@@ -23,6 +23,7 @@ import time
 import torch
 
 from duplexkv import LLM, SamplingParams
+from duplexkv.engine.dtype import cpu_bf16_status
 from duplexkv.model.registry import resolve_model
 
 
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     model_dir = resolve_model(args.model)
-    print(f"model {model_dir}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"model {model_dir}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"CPU {cpu_bf16_status()}")
     g = torch.Generator().manual_seed(0)
     results = []
     for dtype in args.dtypes:

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from duplexkv.bench.reuse import MISS, p_leg
+from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.launch import bidirectional_kv, spawn, wait_ready, worker_args
 
 
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
         wait_ready(procs)
         p, takes, computes = (x.url for x in procs)
         client = httpx.Client(timeout=600)
-        print(f"workers up (logs in {logs}); connector {args.connector}")
+        print(f"workers up (logs in {logs}); connector {args.connector}; "
+              f"{describe_dtype(None)}")
         print("| prompt tokens | D TTFT, P's token | D TTFT, recomputing the last token | "
               "saved | D computed tokens (takes / computes) | same first word | same answer |")
         print("|---|---|---|---|---|---|---|")

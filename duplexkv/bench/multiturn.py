@@ -32,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from duplexkv.bench import report
 from duplexkv.bench.client import Result, Runner, Target
 from duplexkv.bench.scripts import SCRIPTS
-from duplexkv.bench.targets import BenchError, check_target, client_key, phases
+from duplexkv.bench.targets import BenchError, check_target, client_key, dtype_note, phases
 from duplexkv.bench.workload import (
     DEFAULT_SIZES,
     Conversation,
@@ -43,6 +43,7 @@ from duplexkv.bench.workload import (
     plan,
     total_tokens,
 )
+from duplexkv.engine.dtype import DTYPE_CHOICES
 from duplexkv.launch import LaunchError
 from duplexkv.model.registry import resolve_model
 
@@ -180,6 +181,8 @@ def run(cfg: BenchConfig, console: Console | None = None) -> dict:
         if url:
             check_target(url, what)  # fail fast, before preparing the texts
     convs, source = prepare(cfg, console)
+    note = dtype_note(cfg)
+    console.print(note)
     results, wall = run_modes(cfg, console, convs, source)
     summary = report.summarize(results, wall)
     for table in report.tables(summary):
@@ -191,13 +194,14 @@ def run(cfg: BenchConfig, console: Console | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     took = time.perf_counter() - t0
     doc = {"command": cfg.command, "config": {**asdict(cfg), "output_dir": str(out)},
+           "dtype": note,
            "took_s": took, "warnings": notes, "summary": summary,
            "requests": [r.as_dict() for r in results]}
     (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
-    md = f"`{cfg.command}`\n\n{report.markdown(summary)}\n" if cfg.command else \
-        report.markdown(summary) + "\n"
+    md = f"`{cfg.command}`\n\n{note}\n\n{report.markdown(summary)}\n" if cfg.command else \
+        f"{note}\n\n{report.markdown(summary)}\n"
     (out / "results.md").write_text(md)
-    where = cfg.url or f"1P1D launched here, {os.cpu_count()} CPU cores"
+    where = cfg.url or f"1P1D launched here, {os.cpu_count()} CPU cores, {note}"
     title = (f"{cfg.model}, {cfg.workload}, {len(convs)} conversation(s), {cfg.clients} at once "
              f"({where})")
     from duplexkv.bench import chart  # matplotlib: only when needed
@@ -240,7 +244,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--kv-connector", default="TcpConnector",
                    choices=("TcpConnector", "NixlConnector"))
-    m.add_argument("--dtype", choices=("bfloat16", "float32"))
+    m.add_argument("--dtype", choices=DTYPE_CHOICES, help="the launched workers' (default auto)")
     m.add_argument("--output-dir", type=Path,
                    help="results and worker logs (default: out/multiturn-DATE-TIME)")
     m.add_argument("--no-warmup", dest="warmup", action="store_false")

@@ -16,6 +16,8 @@ import statistics
 import subprocess
 import sys
 
+from duplexkv.engine.dtype import describe as describe_dtype
+
 JOB = r"""
 import sys, time, torch
 from duplexkv import LLM, SamplingParams
@@ -50,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--settings", nargs="+", default=["", "OMP_WAIT_POLICY=PASSIVE"],
                     help="environment settings to compare ('' = libgomp's default)")
     args = ap.parse_args(argv)
-    print(f"{os.cpu_count()} CPUs; jobs: 2 x 6k-token prefill | 150 decode steps at 8k")
+    print(f"{os.cpu_count()} CPUs, {describe_dtype(None)}; jobs: 2 x 6k-token prefill | 150 "
+          "decode steps at 8k")
     print("| setting | prefill alone s | decode alone s | prefill with decode s | "
           "decode with prefill s | slow-down (both at once / alone) |")
     print("|---|---|---|---|---|---|")

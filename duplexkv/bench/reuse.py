@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 
+from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.launch import bidirectional_kv, spawn, wait_ready, worker_args
 
 MISS = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
         wait_ready(procs)
         p, p_local, d = (x.url for x in procs[:3])
         client = httpx.Client(timeout=600)
-        print(f"workers up (logs in {logs}); connector {args.connector}")
+        print(f"workers up (logs in {logs}); connector {args.connector}; "
+              f"{describe_dtype(None)}")
         rows = []
         vocab = 4000  # ids valid for every preset (tiny has 4096)
         for n, hist in enumerate(args.lengths):

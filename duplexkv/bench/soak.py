@@ -39,6 +39,8 @@ import httpx
 from duplexkv import launch
 from duplexkv.bench.client import RequestFailed, Result, Target, chat_turn
 from duplexkv.bench.workload import Sizes, TextSource, materialise, plan
+from duplexkv.engine.dtype import DTYPE_CHOICES, native_bf16_flag, read_cpu_flags
+from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.launch import Cluster, ClusterSpec
 from duplexkv.model.registry import resolve_model
 from duplexkv.model.tokenizer import Tokenizer
@@ -72,11 +74,7 @@ def slope_mb_per_min(points: list[tuple[float, float]]) -> float:
 
 
 def native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+    return native_bf16_flag(read_cpu_flags() or frozenset()) is not None
 
 
 @dataclass
@@ -194,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=600, help="seconds of load (default 600)")
     ap.add_argument("--clients", type=int, default=40, help="conversations at once")
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     ap.add_argument("--decode-kv-blocks", type=int, default=1024,
                     help="D's --num-kv-blocks (small: retention runs under pressure)")
     ap.add_argument("--prefill-kv-blocks", type=int, default=16384,
@@ -289,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {names.get(r['process'], r['process'])} | {r['start_mb']:,.1f} | "
               f"{r['end_mb']:,.1f} | {r['max_mb']:,.1f} | {r['slope_second_half_mb_per_min']:+.2f} |"
               f" {r['slope_all_mb_per_min']:+.2f} |")
-    print(f"\nmodel {args.model}, dtype {args.dtype}, CPU native bf16 (avx512_bf16/amx_bf16): "
-          f"{native_bf16()}, {os.cpu_count()} CPUs, {platform.machine()}")
+    print(f"\nmodel {args.model}, {describe_dtype(args.dtype)}, {os.cpu_count()} CPUs, "
+          f"{platform.machine()}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from duplexkv.engine.dtype import cpu_bf16_status
+from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, keys_from
 from duplexkv.launch import Cluster, ClusterSpec, spawn, stop_all, wait_ready, worker_args
 from duplexkv.model.registry import resolve_model
@@ -24,6 +26,13 @@ Log = Callable[[str], None]
 
 class BenchError(ValueError):
     """The target is unreachable or misconfigured (one clear CLI error line)."""
+
+
+def dtype_note(cfg: BenchConfig) -> str:
+    """What the launched workers run, and whether this CPU has native bf16."""
+    if cfg.url:
+        return f"dtype: the target's (not launched here); this CPU's {cpu_bf16_status()}"
+    return describe_dtype(cfg.dtype)
 
 
 def client_key() -> str | None:

@@ -29,6 +29,7 @@ import torch
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
+from duplexkv.engine.dtype import cpu_bf16_status
 from duplexkv.kv.transport import XferState, make_transport
 
 BLOCK = (8, 2, 16, 2, 64)  # layers, k/v, tokens per block, kv heads, head dim
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     proc.join(10)
     for t in ts.values():
         t.close()
-    print(f"\nbench model KV, bf16, {block_bytes // 1024} KiB/block, scattered blocks, "
+    print(f"\nbench model KV, bf16 (CPU {cpu_bf16_status()}; a copy does not compute), "
+          f"{block_bytes // 1024} KiB/block, scattered blocks, "
           f"median of {args.reps}; torch threads {torch.get_num_threads()}; "
           f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}")
     methods = ["memcpy", "memcpy1", *kinds, "raw"]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-DTYPES = ("bfloat16", "float32")
+from duplexkv.engine.dtype import DTYPES, canonical
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str = "bench"  # a model directory or a preset name
-    dtype: str = "bfloat16"
+    model: str = "bench"  # a model directory, a preset name or an HF hub id in the local cache
+    dtype: str = "auto"  # auto: bfloat16 where the CPU has it natively, else float32 (dtype.py)
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_kv_blocks: int | None = None  # wins over kv_cache_memory_gib
@@ -19,10 +19,15 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096  # chunked-prefill token budget per step
     max_num_seqs: int = 64
     seed: int = 0
+    revision: str | None = None  # hub ids: a branch, tag or commit in the cache (default main)
+    tokenizer: str | None = None  # a directory or hub id (default: the model's)
+    tokenizer_revision: str | None = None
+    chat_template: str | None = None  # a file or the template itself (default: the tokenizer's)
+    generation_config: str = "auto"  # auto: the model's generation_config.json; vllm: none; DIR
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", canonical(self.dtype))
+        assert self.dtype in DTYPES
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -6,7 +6,7 @@ import torch
 
 from duplexkv.model.config import ModelConfig
 
-DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def block_shape(cfg: ModelConfig, block_size: int) -> tuple[int, ...]:

@@ -20,11 +20,15 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults, as vLLM's."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None
                  = None) -> list[RequestOutput]:
         plist = _as_prompt_list(prompts)
-        if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params or SamplingParams()] * len(plist)
+        if not isinstance(sampling_params, list):  # none: the model's generation config's
+            sampling_params = [sampling_params or self.default_sampling_params()] * len(plist)
         if len(sampling_params) != len(plist):
             raise ValueError("give one SamplingParams, or one per prompt")
         ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(plist, sampling_params)]

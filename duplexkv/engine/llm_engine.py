@@ -17,6 +17,7 @@ import torch
 
 from duplexkv.engine.block_manager import BlockManager
 from duplexkv.engine.config import EngineConfig
+from duplexkv.engine.dtype import read_cpu_flags, resolve_dtype
 from duplexkv.engine.kv_pool import DTYPE, block_bytes, num_blocks_for
 from duplexkv.engine.kv_transfer import (
     ConnectorEvent,
@@ -31,6 +32,9 @@ from duplexkv.engine.sampler import make_generator, process_row, sample_row
 from duplexkv.engine.sampling_params import SamplingParams
 from duplexkv.engine.scheduler import Scheduler
 from duplexkv.engine.sequence import KVStats, Sequence
+from duplexkv.model.chat_template import load_chat_template
+from duplexkv.model.config import ModelLoadError
+from duplexkv.model.generation_config import sampling_defaults
 from duplexkv.model.loader import load_config, load_weights
 from duplexkv.model.registry import resolve_model
 from duplexkv.model.segment_cache import TooManyTokens
@@ -100,15 +104,28 @@ def model_fingerprint(model_dir: Path, dtype: str, block_size: int) -> bytes:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        model_dir = resolve_model(config.model)
+        model_dir = resolve_model(config.model, config.revision)
         mc = load_config(model_dir)
         max_len = config.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {max_len} exceeds the model's "
                              f"max_position_embeddings {mc.max_position_embeddings}")
-        self.config = replace(config, max_model_len=max_len)
+        choice = resolve_dtype(config.dtype, read_cpu_flags())
+        log.info("dtype %s (%s)", choice.dtype, choice.reason)
+        self.dtype_reason = choice.reason
+        config = self.config = replace(config, max_model_len=max_len, dtype=choice.dtype)
         self.model_dir, self.model_config = model_dir, mc
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+        tok_dir = model_dir if config.tokenizer is None else \
+            resolve_model(config.tokenizer, config.tokenizer_revision)
+        self.tokenizer = Tokenizer.from_dir(tok_dir, load_chat_template(config.chat_template))
+        self.sampling_defaults = sampling_defaults(config.generation_config, model_dir)
+        try:
+            SamplingParams(**{"max_tokens": 16, **self.sampling_defaults})
+        except ValueError as e:
+            raise ModelLoadError(f"generation config ({config.generation_config}): {e}") from None
+        if self.sampling_defaults:
+            log.info("sampling defaults from the model's generation config (a request's own "
+                     "values win): %s", self.sampling_defaults)
         dtype = DTYPE[config.dtype]
         num_blocks = num_blocks_for(mc, config.block_size, dtype, config.num_kv_blocks,
                                     config.kv_cache_memory_gib)

@@ -77,7 +77,8 @@ class Tokenizer:
         self.segments = SegmentCache(tokenizer)  # earlier messages' ids, reused across turns
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+    def from_dir(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """`chat_template` (the template's text) replaces the directory's own."""
         root = Path(model_dir)
         path = root / TOKENIZER_FILE
         if not path.is_file():
@@ -99,6 +100,8 @@ class Tokenizer:
         elif isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
+        if chat_template is not None:
+            template = chat_template
         # eos: generation_config first (what generate() stops on), then tokenizer/model config
         eos: list[int] = []
         gen_path = root / GENERATION_CONFIG_FILE

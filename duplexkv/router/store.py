@@ -157,7 +157,11 @@ class RedisStore(ConversationStore):
     def __init__(self, url: str, ttl_s: float, max_entries: int, prefix: str = "duplexkv:conv:",
                  timeout_s: float = 0.5) -> None:
         super().__init__(ttl_s, max_entries)
-        import redis.asyncio as aioredis  # only when configured
+        try:
+            import redis.asyncio as aioredis  # only when configured: the `redis` extra
+        except ImportError as e:
+            raise ValueError(f"a Redis conversation store needs the Redis client, which is not "
+                             f"installed ({e}): pip install 'duplexkv[redis]'") from None
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
         from redis.exceptions import ConnectionError as RedisConnectionError

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -54,17 +54,22 @@ def default_max_request_bytes(max_model_len: int) -> int:
     return 32 * max_model_len + (4 << 20)
 
 
-def build_app(aeng: AsyncEngine, served_model_name: str,
+def build_app(aeng: AsyncEngine, served_model_names: str | Sequence[str],
               health_extra: Callable[[], dict] | None = None,
               collectors: tuple = (), max_request_bytes: int | None = None,
               api_keys: tuple[str, ...] = ()) -> FastAPI:
-    """The app for one engine; `health_extra()` adds fields to /health (e.g. the KV layer's)."""
+    """The app for one engine; `health_extra()` adds fields to /health (e.g. the KV layer's).
+    Requests may name any of `served_model_names`; responses and metrics carry the first."""
+    names = (served_model_names,) if isinstance(served_model_names, str) \
+        else tuple(served_model_names)
+    assert names, "at least one served model name"
+    served_model_name = names[0]
     app = FastAPI(title="duplexkv worker", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(APIKeyAuth, keys=api_keys)
     metrics = ServerMetrics(served_model_name, aeng.engine)
     for collector in collectors:  # e.g. the KV connector's
         metrics.registry.register(collector)
-    serving = OpenAIServing(aeng, served_model_name, metrics, max_request_bytes
+    serving = OpenAIServing(aeng, names, metrics, max_request_bytes
                             or default_max_request_bytes(aeng.engine.max_model_len))
     created = int(time.time())
     app.state.aeng, app.state.metrics, app.state.serving = aeng, metrics, serving
@@ -93,10 +98,10 @@ def build_app(aeng: AsyncEngine, served_model_name: str,
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"id": served_model_name, "object": "model", "created": created,
-                "owned_by": "duplexkv", "root": served_model_name, "parent": None,
-                "max_model_len": aeng.engine.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [{"id": name, "object": "model", "created": created,
+                  "owned_by": "duplexkv", "root": served_model_name, "parent": None,
+                  "max_model_len": aeng.engine.max_model_len} for name in names]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/health")
     async def health() -> Response:

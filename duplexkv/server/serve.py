@@ -8,9 +8,9 @@ import json
 import logging
 import sys
 from dataclasses import fields
-from pathlib import Path
 
-from duplexkv.engine.config import DTYPES, EngineConfig
+from duplexkv.engine.config import EngineConfig
+from duplexkv.engine.dtype import DTYPE_CHOICES
 
 log = logging.getLogger("duplexkv.serve")
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
@@ -29,13 +29,30 @@ def _json_object(text: str) -> dict:
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="run an OpenAI-compatible worker",
                               description="Serve MODEL over the OpenAI API (vLLM-compatible).")
-    p.add_argument("model", help="a model directory or a preset name (tiny, bench)")
+    p.add_argument("model", help="a model directory, a preset name (tiny, bench) or a Hugging "
+                                 "Face repo id already in the local HF cache (never downloaded)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--served-model-name", default=None,
-                   help="model name in the API (default: the model dir's basename or preset)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name(s) in the API; requests may use any, responses carry "
+                        "the first (default: MODEL as given, as vLLM)")
+    p.add_argument("--revision", default=None,
+                   help="for a hub id: the branch, tag or commit in the cache (default main)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR_OR_ID",
+                   help="tokenizer directory or hub id (default: the model's)")
+    p.add_argument("--tokenizer-revision", default=None)
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a jinja chat template file, or the template itself (default: the "
+                        "tokenizer's)")
+    p.add_argument("--generation-config", default=_DEFAULTS["generation_config"],
+                   metavar="auto|vllm|DIR",
+                   help="sampling defaults for requests that omit them: 'auto' (default) reads "
+                        "the model's generation_config.json, 'vllm' ignores it, or a directory "
+                        "holding one")
     p.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"])
-    p.add_argument("--dtype", choices=DTYPES, default=_DEFAULTS["dtype"])
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=_DEFAULTS["dtype"],
+                   help="auto (default): bfloat16 where the CPU computes it natively (AMX, "
+                        "AVX512-BF16), else float32; half = float16, float = float32")
     p.add_argument("--max-model-len", type=int, default=None)
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--num-kv-blocks", type=int, default=None)
@@ -61,8 +78,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def served_name(model: str) -> str:
-    return Path(model).name or model
+def served_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """--served-model-name, else the model argument as given (vLLM's default)."""
+    names = tuple(dict.fromkeys(args.served_model_name or (args.model,)))
+    for n in names:
+        if not n.strip() or len(n) > 256:
+            raise ValueError(f"--served-model-name {n!r}: a name must be 1-256 characters")
+    return names
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -71,7 +93,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_gib=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        seed=args.seed)
+        seed=args.seed, revision=args.revision, tokenizer=args.tokenizer,
+        tokenizer_revision=args.tokenizer_revision, chat_template=args.chat_template,
+        generation_config=args.generation_config)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -79,6 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config(args)
+    names = served_names(args)
     if args.max_request_bytes is not None and args.max_request_bytes < 1024:
         raise ValueError("--max-request-bytes must be at least 1024")
     from duplexkv.http.auth import keys_from
@@ -98,13 +123,13 @@ def run_serve(args: argparse.Namespace) -> int:
     aeng.start()
     try:
         health_extra, collectors = attach_kv_transfer(aeng, args.kv_transfer_config, args)
-        name = args.served_model_name or served_name(args.model)
-        app = build_app(aeng, name, health_extra, collectors, args.max_request_bytes, api_keys)
+        app = build_app(aeng, names, health_extra, collectors, args.max_request_bytes, api_keys)
         server = Server(uvicorn.Config(app, host=args.host,
                                        port=args.port, lifespan="off", log_level="warning",
                                        access_log=False, timeout_graceful_shutdown=5))
         keys = f"; {len(api_keys)} API key(s) required" if api_keys else ""
-        asyncio.run(_serve(server, f"{name} ({engine.model_dir}{keys})", aeng))
+        what = f"{' | '.join(names)} ({engine.model_dir}, {engine.config.dtype}{keys})"
+        asyncio.run(_serve(server, what, aeng))
         if aeng.dead:
             log.error("exiting because the engine died: %s", aeng.dead)
             return 1

@@ -71,16 +71,23 @@ class RequestCtx:
     done: bool = False
 
 
-def prepare(engine: LLMEngine, served_model_name: str, body: dict, kind: Kind) -> Prepared:
+def prepare(engine: LLMEngine, served_model_names: tuple[str, ...], body: dict,
+            kind: Kind) -> Prepared:
     req = parse_request(body, kind)
-    if req.model is not None and req.model != served_model_name:
+    if req.model is not None and req.model not in served_model_names:
         raise model_not_found(req.model)
     ids = _tokenize(engine, req)
-    # default max_tokens: the rest of the context, as vLLM does (bounded by the KV pool)
+    # default max_tokens: the rest of the context, as vLLM does (bounded by the KV pool), or
+    # the generation config's max_new_tokens when smaller
     limit = min(engine.max_model_len, engine.bm.num_blocks * engine.config.block_size)
-    max_tokens = req.max_tokens if req.max_tokens is not None else max(1, limit - len(ids))
+    defaults = engine.sampling_defaults
+    max_tokens = req.max_tokens if req.max_tokens is not None else \
+        max(1, min(limit - len(ids), defaults.get("max_tokens", limit)))
+    kwargs = req.sampling_kwargs(max_tokens)
+    # the model's generation config fills what the request left out (vLLM)
+    kwargs.update({k: v for k, v in defaults.items() if k != "max_tokens" and body.get(k) is None})
     try:
-        params = SamplingParams(**req.sampling_kwargs(max_tokens))
+        params = SamplingParams(**kwargs)
     except ValueError as e:
         m = re.search(r"parameter (\w+)=", str(e))
         raise bad_request(str(e), m.group(1) if m else None) from None
@@ -155,10 +162,12 @@ async def unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
 
 
 class OpenAIServing:
-    def __init__(self, aeng: AsyncEngine, served_model_name: str, metrics: ServerMetrics,
+    def __init__(self, aeng: AsyncEngine, served_model_names: tuple[str, ...],
+                 metrics: ServerMetrics,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.aeng = aeng
-        self.model = served_model_name
+        self.names = served_model_names
+        self.model = served_model_names[0]
         self.metrics = metrics
         self.ids = RequestIds()
         self.max_request_bytes = max_request_bytes
@@ -166,7 +175,7 @@ class OpenAIServing:
         self.prep_pool = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="prepare")
 
     def _prepare(self, raw: bytes, kind: Kind) -> Prepared:
-        return prepare(self.aeng.engine, self.model, parse_json(raw), kind)
+        return prepare(self.aeng.engine, self.names, parse_json(raw), kind)
 
     async def handle(self, request: Request, kind: Kind) -> Response:
         endpoint, arrival = ENDPOINT[kind], time.perf_counter()
