@@ -315,12 +315,16 @@ def test_forged_and_unsigned_records_never_become_workers(tmp):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("DUPLEXKV_KV_SECRET", TEST_SECRET)
             good_key = record.secret_key()
+        def put(rid: str, value: bytes) -> None:  # as a worker writes it: the key and the index
+            r.set(record.KEY_PREFIX + rid, value, px=60_000)
+            r.zadd(record.INDEX_KEY, {rid: int(time.time() * 1000) + 60_000})
+
         unsigned, forged, copied, old = rec(), rec(), rec(), rec(issued_at=time.time() - 3600)
-        r.set(unsigned.key(), encode(unsigned, None), px=60_000)
-        r.set(forged.key(), encode(forged, wrong_key), px=60_000)
-        r.set(record.KEY_PREFIX + record.new_worker_id(), encode(copied, good_key), px=60_000)
-        r.set(old.key(), encode(old, good_key), px=60_000)
-        r.set(record.KEY_PREFIX + "junk", b"\xff not json", px=60_000)
+        put(unsigned.id, encode(unsigned, None))
+        put(forged.id, encode(forged, wrong_key))
+        put(record.new_worker_id(), encode(copied, good_key))
+        put(old.id, encode(old, good_key))
+        put("junk", b"\xff not json")
         wait_for(lambda: health(router)["discovery"]["rejected_records"] == 5, 10, "rejections")
         time.sleep(4 * POLL + 1.0)  # polls and health checks would have reached the canary
         with pytest.raises(TimeoutError):
@@ -333,7 +337,7 @@ def test_forged_and_unsigned_records_never_become_workers(tmp):
             assert metric(text, "duplexkv_router_discovery_rejected_total", reason=reason) == n
         # the control: the same canary, signed with the cluster's key, joins and is checked
         good = rec()
-        r.set(good.key(), encode(good, good_key), px=60_000)
+        put(good.id, encode(good, good_key))
         wait_for(lambda: names(health(router), "decode") == ["decode[0]"], 10, "the good record")
         canary.settimeout(10)
         conn, _ = canary.accept()
@@ -433,13 +437,20 @@ def test_membership_rules():
     assert [x.name for x in pool.prefill] == ["prefill[0]", "prefill[1]"]
     assert [x.name for x in pool.decode] == ["decode[0]", "decode[1]"]
     assert pool.by_url[("decode", "http://10.0.0.2:8000")].name == "decode[0]"  # the static one
-    # a record whose seq stops moving is lost after two heartbeats, and joins again once it moves
+    # a record whose seq stops moving for two heartbeats is lost once its worker is marked down
+    # (a worker that still answers stays: its key's TTL bounds that), and joins again once its
+    # seq moves
     now[0] = 1.5
     apply(_reg(a, "both", "http://10.0.0.3:8000", seq=2), _reg(b, "decode", "http://10.0.0.2:8000"))
     now[0] = 3.6
     apply(_reg(a, "both", "http://10.0.0.3:8000", seq=2), _reg(b, "decode", "http://10.0.0.2:8000",
                                                                 seq=2))
-    assert [x.name for x in pool.prefill] == ["prefill[0]"]  # a: seq 2 since t=1.5, lost at 3.6
+    assert [x.name for x in pool.prefill] == ["prefill[0]", "prefill[1]"]  # still answering
+    for x in m.members[a].backends:
+        x.mark_down("killed")
+    apply(_reg(a, "both", "http://10.0.0.3:8000", seq=2), _reg(b, "decode", "http://10.0.0.2:8000",
+                                                                seq=2))
+    assert [x.name for x in pool.prefill] == ["prefill[0]"]  # a: seq 2 since t=1.5, down: lost
     now[0] = 3.8
     apply(_reg(a, "both", "http://10.0.0.3:8000", seq=2), _reg(b, "decode", "http://10.0.0.2:8000",
                                                                 seq=3))

@@ -1,6 +1,9 @@
 """The registration a worker keeps in Redis, its key, its signature, and the discovery URL.
 
     key     duplexkv:workers:<id>       id: 32 hex digits, random per worker process
+    index   duplexkv:workers:index      sorted set: id -> the record's expiry (ms, worker clock);
+                                        what routers read instead of scanning the keyspace (a
+                                        Redis shared with 100k conversations stays one read)
     value   JSON (msgspec): v, id, role, url, model, capacity, heartbeat_s, seq, issued_at, sig
     TTL     TTL_HEARTBEATS (3) heartbeats: the key outlives two missed heartbeats, then Redis
             drops it (a worker killed without deregistering)
@@ -32,6 +35,8 @@ import msgspec
 
 VERSION = 1
 KEY_PREFIX = "duplexkv:workers:"
+INDEX_KEY = KEY_PREFIX + "index"
+INDEX_FORGET_S = 600.0  # index entries whose record expired this long ago are pruned
 DISCOVERY_ENV = "DUPLEXKV_DISCOVERY"  # the URL, when not given on the command line
 SECRET_ENV = "DUPLEXKV_DISCOVERY_SECRET"
 KV_SECRET_ENV = "DUPLEXKV_KV_SECRET"  # the KV plane's cluster secret (duplexkv/kv/auth.py)

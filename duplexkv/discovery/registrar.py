@@ -1,10 +1,12 @@
 """The worker's side of discovery: keep its registration alive in Redis, remove it on the way out.
 
     start      once the HTTP server listens (the engine is loaded by then)
-    heartbeat  every h: SET <key> <record, seq+1, issued now, signed> PX 3h
-    failure    Redis down, slow or refusing: log (the first failure, then once a minute), wait
-               h, 2h, 4h, ... up to MAX_BACKOFF_S and try again; serving is never affected
-    stop       (SIGTERM/SIGINT, before the server drains) DEL <key>, bounded by one timeout, so
+    heartbeat  every h: SET <key> <record, seq+1, issued now, signed> PX 3h, and ZADD the id to
+               the index with the record's expiry (one pipelined round trip)
+    failure    Redis down, slow or refusing: log (the first failure, then once a minute), retry
+               twice after h/4, then after h, 2h, 4h, ... up to MAX_BACKOFF_S; serving is never
+               affected
+    stop       (SIGTERM/SIGINT, before the server drains) DEL <key> + ZREM, one timeout, so
                routers stop choosing this worker at their next poll
 
 Every Redis call has a socket timeout (at most the heartbeat, at most 1 s); the loop runs on the
@@ -22,11 +24,17 @@ from collections.abc import Callable
 import msgspec
 
 from duplexkv.discovery.client import connect, scrub
-from duplexkv.discovery.record import DiscoveryURL, Registration, encode
+from duplexkv.discovery.record import INDEX_KEY, DiscoveryURL, Registration, encode
 
 log = logging.getLogger("duplexkv.discovery")
 MAX_BACKOFF_S = 10.0
 LOG_EVERY_S = 60.0
+
+
+def retry_delay(h: float, failures: int) -> float:
+    """After a failed heartbeat: two quick retries (the key outlives two missed heartbeats), then
+    h, 2h, 4h, ... up to MAX_BACKOFF_S."""
+    return h / 4 if failures <= 2 else min(MAX_BACKOFF_S, h * 2 ** min(failures - 3, 8))
 
 
 class Registrar:
@@ -47,15 +55,25 @@ class Registrar:
 
     async def _loop(self) -> None:
         h = self.record.heartbeat_s
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
             ok = await self.heartbeat()
-            await asyncio.sleep(h if ok else min(MAX_BACKOFF_S, h * 2 ** min(self.failures, 8)))
+            now = loop.time()
+            if ok:  # a fixed rate: the call's own time does not stretch the period
+                due = max(due + h, now + h / 2)
+            else:
+                due = now + retry_delay(h, self.failures)
+            await asyncio.sleep(max(0.0, due - now))
 
     async def heartbeat(self) -> bool:
         rec = self.record = msgspec.structs.replace(self.record, seq=self.record.seq + 1,
                                                     issued_at=self._clock())
         try:
-            await self.redis.set(self.redis_key, encode(rec, self._key), px=rec.ttl_ms())
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(self.redis_key, encode(rec, self._key), px=rec.ttl_ms())
+                pipe.zadd(INDEX_KEY, {rec.id: int(rec.issued_at * 1000) + rec.ttl_ms()})
+                await pipe.execute()
         except Exception as e:  # noqa: BLE001 - any client error: retry later, keep serving
             self._failed(e)
             return False
@@ -87,7 +105,10 @@ class Registrar:
             return
         self.state = "stopped"
         try:
-            await self.redis.delete(self.redis_key)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.delete(self.redis_key)
+                pipe.zrem(INDEX_KEY, self.record.id)
+                await pipe.execute()
             log.info("deregistered from %s", self.url)
         except Exception as e:  # noqa: BLE001 - the key expires by itself
             log.warning("discovery: could not deregister (%s); the key expires in %.3g s",

@@ -1,7 +1,9 @@
 """The router's side of discovery: read every registration in Redis, every `interval_s`.
 
-    poll   SCAN MATCH duplexkv:workers:* then MGET in batches; each value is checked by
-           `record.decode` (shape, key = id, signature and age when the router has a secret)
+    poll   the ids in the index (newest first, at most MAX_RECORDS), then MGET their keys in
+           batches; each value is checked by `record.decode` (shape, key = id, signature and age
+           when the router has a secret); a key that is gone is a worker that left; index entries
+           whose expiry is INDEX_FORGET_S past are pruned
     -> Snapshot(records by id, rejected keys with their reason), handed to `on_snapshot`
     fail   Redis down or slow: `on_error(exc)`, nothing else changes (the router keeps the
            members it knows: a Redis outage removes no worker); the next poll tries again
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from duplexkv.discovery.client import connect
 from duplexkv.discovery.record import (
+    INDEX_FORGET_S,
     KEY_PREFIX,
     DiscoveryURL,
     Registration,
@@ -78,19 +81,18 @@ class Watcher:
         return snap
 
     async def poll(self) -> Snapshot:
-        keys: list[bytes] = []
-        truncated = False
-        async for k in self.redis.scan_iter(match=self.prefix + "*", count=BATCH):
-            if len(keys) == MAX_RECORDS:
-                truncated = True
-                break
-            keys.append(k if isinstance(k, bytes) else k.encode())
-        snap = Snapshot(truncated=truncated)
         now = time.time()
+        index = self.prefix + "index"  # INDEX_KEY under this prefix
+        await self.redis.zremrangebyscore(index, "-inf", f"({int((now - INDEX_FORGET_S) * 1000)}")
+        ids = await self.redis.zrevrangebyscore(index, "+inf", "-inf", start=0,
+                                                num=MAX_RECORDS + 1)
+        snap = Snapshot(truncated=len(ids) > MAX_RECORDS)
+        keys = [self.prefix.encode() + (i if isinstance(i, bytes) else i.encode())
+                for i in ids[:MAX_RECORDS]]
         for i in range(0, len(keys), BATCH):
             batch = keys[i:i + BATCH]
             for raw_key, raw in zip(batch, await self.redis.mget(batch), strict=True):
-                if raw is None:  # expired or deleted between SCAN and MGET
+                if raw is None:  # deleted (the worker left) or expired; pruned later
                     continue
                 k = raw_key.decode(errors="replace")
                 try:

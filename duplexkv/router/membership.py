@@ -9,7 +9,10 @@ Each snapshot of the registry (duplexkv/discovery/watcher.py) is compared with t
     record gone         leave, reason "left" (the worker deregistered) or "lost" (its key
                         expired after missed heartbeats)
     seq not moving      leave, reason "lost", once the record has not changed for STALE_HEARTBEATS
-                        (2) of its heartbeats; it joins again if its seq moves again
+                        (2) of its heartbeats and the health checks (or a refused leg) have marked
+                        it down; a worker that still answers stays until its key expires (3
+                        heartbeats), so a starved or Redis-cut worker is not dropped on a blip;
+                        it joins again if its seq moves again
     rejected record     counted once per key and reason, never added
     poll failed         nothing changes (a Redis outage removes no worker); the next successful
                         poll restarts every member's staleness clock
@@ -102,7 +105,8 @@ class Membership:
                 continue
             if rec.seq != m.record.seq or recovering:
                 m.record, m.seq_seen_at = rec, now
-            elif now - m.seq_seen_at > STALE_HEARTBEATS * rec.heartbeat_s:
+            elif (now - m.seq_seen_at > STALE_HEARTBEATS * rec.heartbeat_s
+                  and not any(b.healthy for b in m.backends)):
                 self.stale[rid] = rec.seq
                 self._leave(rid, "lost")
         for rid in [r for r in self.members if r not in snap.records]:
