@@ -132,6 +132,13 @@ def event(h: dict, kind: str, worker: str) -> dict | None:
                  if c["event"] == kind and c.get("worker") == worker), None)
 
 
+def submit(pool: ThreadPoolExecutor, started: list, *call, **kw):
+    """Start a worker in `pool`; once up it is put in `started` (to be stopped whatever fails)."""
+    fut = pool.submit(*call, **kw)
+    fut.add_done_callback(lambda f: f.exception() is None and started.append(f.result()))
+    return fut
+
+
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("discovery")
@@ -184,10 +191,9 @@ def test_workers_join_and_leave_under_traffic_without_failures(tiny_model_dir, t
     workers, router = [], None
     try:
         with ThreadPoolExecutor(2) as pool:
-            p1 = pool.submit(start, tiny_model_dir, tmp / "p1.log", "prefill", url)
-            d1 = pool.submit(start, tiny_model_dir, tmp / "d1.log", "decode", url)
+            p1 = submit(pool, workers, start, tiny_model_dir, tmp / "p1.log", "prefill", url)
+            d1 = submit(pool, workers, start, tiny_model_dir, tmp / "d1.log", "decode", url)
             p1, d1 = p1.result(), d1.result()
-        workers += [p1, d1]
         # the router starts knowing no worker: everything comes from the registry
         router = start_router(tmp / "router.log", "--discovery",
                               env={"DUPLEXKV_DISCOVERY": url, "DUPLEXKV_KV_SECRET": TEST_SECRET})
@@ -200,10 +206,9 @@ def test_workers_join_and_leave_under_traffic_without_failures(tiny_model_dir, t
             wait_for(lambda: len(traffic.done) >= 3, 60, "traffic")
             # a second D and a second P join while traffic runs
             with ThreadPoolExecutor(2) as pool:
-                d2 = pool.submit(start, tiny_model_dir, tmp / "d2.log", "decode", url)
-                p2 = pool.submit(start, tiny_model_dir, tmp / "p2.log", "prefill", url)
+                d2 = submit(pool, workers, start, tiny_model_dir, tmp / "d2.log", "decode", url)
+                p2 = submit(pool, workers, start, tiny_model_dir, tmp / "p2.log", "prefill", url)
                 d2 = d2.result()
-                workers.append(d2)
                 wait_for(lambda: d2.health()["discovery"]["state"] == "registered", 10,
                          "d2 registered")
                 t0 = time.monotonic()
@@ -214,7 +219,6 @@ def test_workers_join_and_leave_under_traffic_without_failures(tiny_model_dir, t
                          "the router choosing d2", interval_s=0.02)
                 first_pick_s = time.monotonic() - t0
                 p2 = p2.result()
-                workers.append(p2)
             wait_for(lambda: backend(health(router), "prefill[1]"), 10, "p2 joining")
             wait_for(lambda: backend(health(router), "prefill[1]")["picks"] > 0, 30,
                      "the router choosing p2")
@@ -356,13 +360,15 @@ def test_registry_down_hurts_neither_worker_nor_router(tiny_model_dir, tmp, orac
     D registers and the router uses it."""
     port = free_port()
     url = url_of(port)
-    with ThreadPoolExecutor(2) as pool:
-        p = pool.submit(start_worker, tiny_model_dir, tmp / "p_static.log", *ARGS,
-                        "--no-enable-prefix-caching", kv=bidi())
-        d = pool.submit(start, tiny_model_dir, tmp / "d_late.log", "decode", url, heartbeat=0.2)
-        p, d = p.result(), d.result()
+    started: list = []
     router = redis_proc = None
     try:
+        with ThreadPoolExecutor(2) as pool:
+            p = submit(pool, started, start_worker, tiny_model_dir, tmp / "p_static.log", *ARGS,
+                       "--no-enable-prefix-caching", kv=bidi())
+            d = submit(pool, started, start, tiny_model_dir, tmp / "d_late.log", "decode", url,
+                       heartbeat=0.2)
+            p, d = p.result(), d.result()
         messages = [{"role": "system", "content": SYSTEM}, user(2)]
         body = {"model": "tiny", "messages": messages, "max_tokens": OUT, "temperature": 0,
                 "ignore_eos": True}
@@ -387,8 +393,8 @@ def test_registry_down_hurts_neither_worker_nor_router(tiny_model_dir, tmp, orac
     finally:
         if router is not None:
             router.stop()
-        p.stop()
-        d.stop()
+        for w in started:
+            w.stop()
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait(10)
