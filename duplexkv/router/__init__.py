@@ -24,5 +24,6 @@ Modules: config (RouterConfig), request (client request, validation, conversatio
 store (ConversationStore: memory, Redis), conversations (recall/remember policy), backends (pool,
 choice, health checks), legs (request rewriting, combined kv_stats), stream (SSE relay), proxy
 (one turn end to end, failure rules), upstream + transport (the HTTP client to the workers),
+discovery + membership (workers joining and leaving through the Redis registry, --discovery),
 metrics, app (HTTP endpoints), serve (the CLI command). Nothing here imports torch.
 """

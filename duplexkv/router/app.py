@@ -4,7 +4,8 @@ layer, so the hot path stays short).
     POST /v1/chat/completions, /v1/completions   one P leg + one D leg (proxy.Proxy)
     GET  /v1/models    the workers' models (from the first healthy worker that answers)
     GET  /health       per-backend state; 503 while no P or no D is healthy; status "degraded"
-                       (200) while the conversation store is failing (turns run as misses)
+                       (200) while the conversation store is failing (turns run as misses);
+                       with --discovery, the members and the recent joins and leaves (by name)
     GET  /metrics      Prometheus
     GET  /version      {"version": ...}, as vLLM
 
@@ -35,6 +36,7 @@ from duplexkv.http.limits import HeaderLimit
 from duplexkv.http.version import version_endpoint
 from duplexkv.router.backends import BackendPool, HealthChecker
 from duplexkv.router.config import RouterConfig
+from duplexkv.router.discovery import Discovery
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.proxy import Proxy, Relayed
 from duplexkv.router.request import ENDPOINTS, Kind, parse_client_request
@@ -59,6 +61,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
                                 cfg.store_timeout_s, cfg.store_breaker_period_s)
     metrics = RouterMetrics()
     state: dict = {}
+    discovery = Discovery.configure(cfg, pool, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -67,9 +70,13 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
         checker = HealthChecker(pool, upstream.client, cfg.health_interval_s,
                                 cfg.health_timeout_s)
         checker.start()
+        if discovery is not None:
+            discovery.start()
         try:
             yield
         finally:
+            if discovery is not None:
+                await discovery.stop()
             await checker.stop()
             await upstream.aclose()
             await store.close()
@@ -128,6 +135,8 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
         status = "unavailable" if not ok else "ok" if store_state == "ok" else "degraded"
         body = {"status": status, "store": store.describe(), "store_state": store_state,
                 "conversations": stored, "store_error": store_error, **pool.state()}
+        if discovery is not None:
+            body["discovery"] = discovery.membership.state()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def prometheus(_: Request) -> Response:
@@ -159,6 +168,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
                                 Middleware(APIKeyAuth, keys=cfg.api_keys)],
                     exception_handlers={HTTPException: http_error, Exception: unexpected})
     app.state.pool, app.state.store, app.state.metrics = pool, store, metrics
+    app.state.discovery = discovery
     debug_memory.add_route(app, lambda: {"store": len(getattr(store, "_entries", ()))})
     app.state.auth_summary = (f"{len(cfg.api_keys)} client API key(s)" if cfg.api_keys else
                               "no client API key") + (", a worker API key" if cfg.worker_api_key

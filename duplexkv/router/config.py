@@ -52,13 +52,20 @@ class RouterConfig:
     # Authorization header on the legs, never the client's)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     worker_api_key: str | None = field(default=None, repr=False)
+    # worker discovery (duplexkv/discovery): the registry's redis:// URL (it may hold a password:
+    # never in a repr or a log, only its redacted form) and how often the router reads it
+    discovery: str | None = field(default=None, repr=False)
+    discovery_interval_s: float = 1.0
 
     def worker_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.worker_api_key}"} if self.worker_api_key else {}
 
     def __post_init__(self) -> None:
-        if not self.prefill or not self.decode:
-            raise ValueError("the router needs at least one --prefill and one --decode worker")
+        if not self.discovery and (not self.prefill or not self.decode):
+            raise ValueError("the router needs at least one --prefill and one --decode worker, "
+                             "or --discovery redis://host:port/db to learn them from a registry")
+        if self.discovery_interval_s <= 0:
+            raise ValueError("--discovery-interval must be > 0")
         object.__setattr__(self, "prefill", tuple(normalize_url(u) for u in self.prefill))
         object.__setattr__(self, "decode", tuple(normalize_url(u) for u in self.decode))
         if self.conversation_ttl_s <= 0:

@@ -1,4 +1,4 @@
-"""`duplexkv router --prefill URL... --decode URL... --port N [--store URL]`."""
+"""`duplexkv router --prefill URL... --decode URL... --port N [--store URL] [--discovery URL]`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from duplexkv.discovery.record import DISCOVERY_ENV, discovery_url
 from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, check_key, keys_from
 from duplexkv.router.config import DEFAULT_CONVERSATION_TTL_S, RouterConfig
 
@@ -19,10 +20,19 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
         "router", help="run the KV-cache-aware P/D router",
         description="Route OpenAI requests through prefill and decode workers, keeping each "
                     "conversation's KV on its decode worker for the next turn.")
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
-                   help="prefill worker base URLs, e.g. http://127.0.0.1:8100")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                   help="decode worker base URLs")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+                   help="prefill worker base URLs, e.g. http://127.0.0.1:8100 (static; optional "
+                        "with --discovery)")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL",
+                   help="decode worker base URLs (static; optional with --discovery)")
+    p.add_argument("--discovery", nargs="?", const="", default=None, metavar="URL",
+                   help="also learn workers from the registry at redis://[:password@]host:port/db "
+                        "(workers started with the same --discovery join and leave without a "
+                        f"restart; without URL: ${DISCOVERY_ENV}, which keeps a password off the "
+                        "command line)")
+    p.add_argument("--discovery-interval", type=float, default=1.0, metavar="S",
+                   help="how often the registry is read (default 1 s: half the workers' default "
+                        "heartbeat)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--store", default="memory", metavar="URL",
@@ -71,6 +81,7 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
+    discovery = discovery_url(args.discovery)
     return RouterConfig(
         prefill=tuple(args.prefill), decode=tuple(args.decode), host=args.host, port=args.port,
         store=args.store, conversation_ttl_s=args.conversation_ttl,
@@ -80,7 +91,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         request_timeout_s=args.request_timeout, max_request_bytes=args.max_request_bytes,
         max_header_bytes=args.max_header_bytes, max_json_depth=args.max_json_depth,
         store_timeout_s=args.store_timeout, store_breaker_period_s=args.store_breaker_period,
-        api_keys=keys_from(args.api_key), worker_api_key=worker_key(args.worker_api_key))
+        api_keys=keys_from(args.api_key), worker_api_key=worker_key(args.worker_api_key),
+        discovery=discovery.url if discovery is not None else None,
+        discovery_interval_s=args.discovery_interval)
 
 
 def worker_key(flag: str | None) -> str | None:
@@ -126,7 +139,9 @@ async def _serve(server, app) -> None:
     if server.started:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         pool = app.state.pool
-        log.info("router listening on http://%s:%d (prefill %s; decode %s; store %s; %s)", host,
-                 port, " ".join(b.url for b in pool.prefill), " ".join(b.url for b in pool.decode),
-                 app.state.store.describe(), app.state.auth_summary)
+        found = app.state.discovery
+        log.info("router listening on http://%s:%d (prefill %s; decode %s; store %s; %s%s)", host,
+                 port, " ".join(b.url for b in pool.prefill) or "-",
+                 " ".join(b.url for b in pool.decode) or "-", app.state.store.describe(),
+                 app.state.auth_summary, f"; {found.describe()}" if found else "")
     await task

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
+from duplexkv.discovery.record import redact
 from duplexkv.router.breaker import Breaker
 
 
@@ -198,7 +199,7 @@ class RedisStore(ConversationStore):
         await self.redis.aclose()
 
     def describe(self) -> str:
-        return f"RedisStore({self.url})"
+        return f"RedisStore({redact(self.url)})"
 
 
 class GuardedStore(ConversationStore):

@@ -11,6 +11,7 @@ from dataclasses import fields
 
 from duplexkv.engine.config import EngineConfig
 from duplexkv.engine.dtype import DTYPE_CHOICES
+from duplexkv.server.discovery import DiscoverySpec, add_discovery_args, run_registration
 
 log = logging.getLogger("duplexkv.serve")
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
@@ -73,6 +74,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` on every endpoint but /health and "
                         "/metrics; repeat for several keys (default: the comma-separated keys in "
                         "$DUPLEXKV_API_KEY, else none)")
+    add_discovery_args(p)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run_serve)
     return p
@@ -109,6 +111,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from duplexkv.http.auth import keys_from
 
     api_keys = keys_from(args.api_key)
+    discovery = DiscoverySpec.from_args(args)
     # heavy imports only once the arguments are known to be good
     import uvicorn
 
@@ -122,14 +125,25 @@ def run_serve(args: argparse.Namespace) -> int:
     aeng = AsyncEngine(engine)
     aeng.start()
     try:
-        health_extra, collectors = attach_kv_transfer(aeng, args.kv_transfer_config, args)
+        kv_health, collectors = attach_kv_transfer(aeng, args.kv_transfer_config, args)
+        registration: dict = {}  # the registrar, once the server listens
+
+        def health_extra() -> dict:
+            out = kv_health() if kv_health is not None else {}
+            if "registrar" in registration:
+                out["discovery"] = registration["registrar"].health()
+            return out
+
         app = build_app(aeng, names, health_extra, collectors, args.max_request_bytes, api_keys)
         server = Server(uvicorn.Config(app, host=args.host,
                                        port=args.port, lifespan="off", log_level="warning",
                                        access_log=False, timeout_graceful_shutdown=5))
         keys = f"; {len(api_keys)} API key(s) required" if api_keys else ""
+        join = None if discovery is None else (
+            lambda host, port: registration.setdefault(
+                "registrar", discovery.registrar(engine, names[0], host, port)))
         what = f"{' | '.join(names)} ({engine.model_dir}, {engine.config.dtype}{keys})"
-        asyncio.run(_serve(server, what, aeng))
+        asyncio.run(_serve(server, what, aeng, join))
         if aeng.dead:
             log.error("exiting because the engine died: %s", aeng.dead)
             return 1
@@ -139,7 +153,8 @@ def run_serve(args: argparse.Namespace) -> int:
         log.info("engine stopped")
 
 
-async def _serve(server, what: str, aeng) -> None:
+async def _serve(server, what: str, aeng, join=None) -> None:
+    """`join(host, port)` -> a Registrar to run while the server listens (--discovery)."""
     loop = asyncio.get_running_loop()
 
     def stop(reason: str) -> None:  # the engine died: answer in-flight clients, then exit 1
@@ -154,4 +169,12 @@ async def _serve(server, what: str, aeng) -> None:
     if server.started:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         log.info("serving %s on http://%s:%d", what, host, port)
+        if join is not None:
+            registration = asyncio.create_task(run_registration(join(host, port), server))
+            try:
+                await task
+            finally:
+                server.should_exit = True  # also when the server ended by itself
+                await registration
+            return
     await task
