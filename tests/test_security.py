@@ -23,8 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+
+from duplexkv.kv.holder import notif
 from workers import (
     TEST_SECRET,
+    need_nixl,
+    skip_or_fail,
     decode_leg,
     kv_config,
     prefill_leg,
@@ -144,10 +148,11 @@ def _authenticated_reader(d):
     return t, info, auth, (host, port)
 
 
-def _read(t, peer: str, remote: list[int], token: bytes = b"", notif: bytes = b"x"):
+def _read(t, peer: str, remote: list[int], token: bytes = b"", notif: bytes = b"x",
+          grant: bytes = b""):
     from duplexkv.kv.transport import XferState
 
-    h = t.read(peer, list(range(len(remote))), remote, notif, token)
+    h = t.read(peer, list(range(len(remote))), remote, notif, token, grant)
     wait_for(lambda: t.poll(h) is not XferState.PENDING, 10, "the READ")
     state = h.state
     t.release(h)
@@ -179,7 +184,7 @@ def test_no_claim_no_block_and_released_blocks_are_unreadable(pd):
         assert state is XferState.FAILED and "refused" in err, err
         read_before = d.kv()["retained"]["released"]["read"]
         state, err = _read(t, peer, blocks[:1], reply.token,
-                           f"done:{dparams['remote_request_id']}".encode())
+                           notif("done", dparams["remote_request_id"], reply.token))
         assert state is XferState.DONE, err  # the claim's own block, then released
         wait_for(lambda: d.kv()["retained"]["released"]["read"] == read_before + 1, 10,
                  "the release")
@@ -187,6 +192,41 @@ def test_no_claim_no_block_and_released_blocks_are_unreadable(pd):
         assert state is XferState.FAILED and "refused" in err, err
     finally:
         t.close()
+    d.assert_integrity()
+
+
+def test_done_or_skip_without_the_readers_claim_releases_nothing(pd):
+    """An authenticated peer that is not an entry's reader cannot release it early: `done:` and
+    `skip:` count only under the token of a claim on that very entry (they used to release any
+    entry they named). The entry's real reader still pulls it afterwards."""
+    from duplexkv.kv import messages as m
+    from duplexkv.kv import side_channel
+
+    p, d = pd
+    _, vj = _turn(p, d)  # the victim's entry
+    _, oj = _turn(p, d)  # an entry the attacker claims itself, for a real token
+    victim, other = vj["kv_transfer_params"], oj["kv_transfer_params"]
+    t, info, auth, (host, port) = _authenticated_reader(d)
+    own = side_channel.request(host, port, m.Verify(other["remote_request_id"], [],
+                                                    PROMPT + oj["choices"][0]["token_ids"]),
+                               m.VerifyReply, 5.0, auth)
+    assert own.matched > 0 and len(own.token) == 16
+    rid = victim["remote_request_id"]
+    before = d.kv()["retained"]
+    try:
+        for msg in (f"done:{rid}".encode(), f"skip:{rid}".encode(),
+                    notif("done", rid, b"\0" * 16), notif("skip", rid, own.token)):
+            t.send_notif(info.handshake.engine_id, msg)
+        wait_for(lambda: d.kv()["retained"].get("refused_notifs", 0)
+                 >= before.get("refused_notifs", 0) + 4, 10, "the notifications")
+    finally:
+        t.close()
+    after = d.kv()["retained"]
+    assert after["released"] == before["released"] and after["entries"] == before["entries"]
+    # the real next turn still pulls the victim's history from D
+    history = PROMPT + vj["choices"][0]["token_ids"]
+    pj = prefill_leg(p, "/v1/completions", body(prompt=history + [7, 8, 9]), victim)
+    assert pj["kv_stats"]["pulled_tokens"] >= 64, pj["kv_stats"]
     d.assert_integrity()
 
 
@@ -298,3 +338,129 @@ def test_the_secret_is_never_logged_nor_in_a_repr(pd):
     for w in (p, d):
         assert TEST_SECRET not in w.log.read_text(errors="replace")
         assert TEST_SECRET not in json.dumps(w.health())
+
+
+# NIXL: one-sided READs never reach the holder, so a claim decides what is registered -------
+@pytest.fixture(scope="module")
+def pd_nixl(tiny_model_dir, tmp):
+    need_nixl()
+    kv = kv_config("NixlConnector", bidirectional_kv_xfer=True)
+    p = start_worker(tiny_model_dir, tmp / "p_nixl.log", *ARGS, "--no-enable-prefix-caching",
+                     kv=kv)
+    d = start_worker(tiny_model_dir, tmp / "d_nixl.log", *ARGS, kv=kv)
+    yield p, d
+    p.stop()
+    d.stop()
+
+
+def test_nixl_reads_only_the_blocks_of_a_live_claim(pd_nixl, monkeypatch):
+    """A NIXL peer holding D's agent metadata (it has the cluster secret) but no claim gets no
+    byte of D's pool: the metadata registers no memory, so NIXL prepares no descriptor for any
+    block. A claim's grant covers exactly the claim's blocks; once the entry is released D has
+    deregistered them and a new verify grants nothing. The normal pull still equals reuse off."""
+    from duplexkv.kv import messages as m
+    from duplexkv.kv import side_channel
+    from duplexkv.kv.auth import KVAuth
+    from duplexkv.kv.transport import XferState, meta
+    from duplexkv.kv.transport.nixl import NixlTransport
+
+    p, d = pd_nixl
+    pulls = d.kv()["counters"]["pulls"]
+    _, dj = _turn(p, d)
+    plain = decode_leg(d, "/v1/completions", body(), None).json()["choices"][0]["token_ids"]
+    assert dj["choices"][0]["token_ids"] == plain  # the NIXL pull equals reuse off
+    assert d.kv()["counters"]["pulls"] == pulls + 1
+    dparams = dj["kv_transfer_params"]
+    rid, blocks = dparams["remote_request_id"], dparams["remote_block_ids"][0]
+
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    auth = KVAuth(TEST_SECRET.encode())
+    host, port = _addr(d.kv()["side_channel"])
+    info = side_channel.handshake(host, port, 5.0, auth=auth)
+    peer = info.handshake.engine_id
+    pool = torch.zeros((len(blocks), info.handshake.block_bytes), dtype=torch.uint8)
+    t = NixlTransport("nixl-attacker", timeout_s=5.0)
+    try:
+        t.register(pool)
+        t.connect(peer, info.handshake.transport_metadata)
+        _, agent_md = meta.unpack(info.handshake.transport_metadata)
+        # no claim: neither without a grant nor with the agent metadata itself as one
+        for grant in (b"", agent_md):
+            state, err = _read(t, peer, blocks, grant=grant)
+            assert state is XferState.FAILED, err
+        assert not pool.any(), "bytes of D's pool arrived without a claim"
+        # a claim on the first block: its grant covers that block and no other
+        reply = side_channel.request(host, port, m.Verify(rid, [], PROMPT + dj["choices"][0][
+            "token_ids"]), m.VerifyReply, 5.0, auth)
+        assert 0 < reply.matched <= 16 and reply.grant
+        state, err = _read(t, peer, blocks[1:3], reply.token, grant=reply.grant)
+        assert state is XferState.FAILED, err
+        assert not pool.any(), "bytes of blocks outside the claim arrived"
+        assert d.kv()["transport"]["exposed_claims"] == 1
+        state, err = _read(t, peer, blocks[:1], reply.token, notif("done", rid, reply.token),
+                           reply.grant)
+        assert state is XferState.DONE, err
+        assert pool[0].any() and not pool[1:].any()
+        # released: the registration is gone and nothing grants these blocks again
+        wait_for(lambda: d.kv()["transport"]["exposed_claims"] == 0, 10, "the withdrawal")
+        again = side_channel.request(host, port, m.Verify(rid, [], PROMPT), m.VerifyReply, 5.0,
+                                     auth)
+        assert again.matched == 0 and again.reason == "unknown" and not again.grant
+    finally:
+        t.close()
+    d.assert_integrity()
+
+
+# the router shows no store credentials -----------------------------------------------------
+def test_router_health_and_metrics_show_no_redis_url_or_password(tmp):
+    """A Redis URL may carry a password: `/health` and `/metrics` name the store by its role
+    only, also when Redis fails (it used to show the whole URL)."""
+    import shutil
+    import subprocess
+
+    import httpx
+    from test_router import start_router
+    from workers import free_port
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        skip_or_fail("redis-server is not installed (apt-get install -y redis-server)")
+    import redis
+
+    port, password = free_port(), "pw-4417-swordfish"
+    with open(tmp / "redis-auth.log", "wb") as fh:
+        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--requirepass", password],
+                                stdout=fh, stderr=subprocess.STDOUT)
+    url = f"redis://:{password}@127.0.0.1:{port}/0"
+    router = None
+    try:
+        wait_for(lambda: _pings(redis, url), 10, "redis-server")
+        dead = f"http://127.0.0.1:{free_port()}"
+        router = start_router(tmp / "router-redis.log", [dead], [dead], "--store", url)
+
+        def bodies() -> list[str]:
+            return [httpx.get(router.url + path, timeout=10).text
+                    for path in ("/health", "/metrics")]
+
+        for text in bodies():
+            assert password not in text and str(port) not in text and "redis://" not in text
+        assert httpx.get(router.url + "/health", timeout=10).json()["store"] == "redis"
+        proc.terminate()  # a failing store: its error must not name it either
+        proc.wait(10)
+        for text in bodies():
+            assert password not in text and str(port) not in text and "redis://" not in text
+        assert password not in (tmp / "router-redis.log").read_text()
+    finally:
+        if router is not None:
+            router.stop()
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(10)
+
+
+def _pings(redis, url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url).ping())
+    except redis.ConnectionError:
+        return False

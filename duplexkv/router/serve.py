@@ -118,7 +118,7 @@ async def _serve(server, app) -> None:
         await store.size()  # a configured Redis must answer at start
     except Exception as e:  # noqa: BLE001 - any client error: one CLI error line
         await store.close()
-        raise ValueError(f"the conversation store {store.describe()} is not reachable: {e}") \
+        raise ValueError(f"the conversation store {store.location()} is not reachable: {e}") \
             from None
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
@@ -128,5 +128,5 @@ async def _serve(server, app) -> None:
         pool = app.state.pool
         log.info("router listening on http://%s:%d (prefill %s; decode %s; store %s; %s)", host,
                  port, " ".join(b.url for b in pool.prefill), " ".join(b.url for b in pool.decode),
-                 app.state.store.describe(), app.state.auth_summary)
+                 app.state.store.location(), app.state.auth_summary)
     await task

@@ -23,6 +23,21 @@ from typing import Any, NamedTuple
 from duplexkv.router.breaker import Breaker
 
 
+def redact_url(url: str) -> str:
+    """`url` without its user name and password (a Redis URL may carry both)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        u = urlsplit(url)
+        if u.username is None and u.password is None:
+            return url
+        host = u.hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        return urlunsplit(u._replace(netloc=f"***@{host}" + (f":{u.port}" if u.port else "")))
+    except ValueError:
+        return "(unparsable store URL)"
+
+
 def conversation_key(api_key: str | None, conversation_id: str) -> str:
     """The store key of (tenant, conversation): a digest, so neither is stored in clear."""
     h = hashlib.sha256()
@@ -78,7 +93,12 @@ class ConversationStore(ABC):
         pass
 
     def describe(self) -> str:
-        return type(self).__name__
+        """The store's role, for clients (/health): never an address or a credential."""
+        return "memory"
+
+    def location(self) -> str:
+        """Where the store is, for the operator (log, CLI errors): credentials redacted."""
+        return self.describe()
 
     def state(self) -> str:
         """ok | degraded (failing recently: turns run as misses)."""
@@ -194,7 +214,10 @@ class RedisStore(ConversationStore):
         await self.redis.aclose()
 
     def describe(self) -> str:
-        return f"RedisStore({self.url})"
+        return "redis"
+
+    def location(self) -> str:
+        return redact_url(self.url)
 
 
 class GuardedStore(ConversationStore):
@@ -233,6 +256,9 @@ class GuardedStore(ConversationStore):
 
     def describe(self) -> str:
         return self.inner.describe()
+
+    def location(self) -> str:
+        return self.inner.location()
 
     def state(self) -> str:
         return "ok" if self.breaker.healthy else "degraded"
