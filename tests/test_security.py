@@ -322,6 +322,90 @@ def test_idle_connections_do_not_create_a_thread_each(pd):
     assert d.kv()["counters"]["pulls"] >= 1
 
 
+def _rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1)) / 1024
+
+
+def _hello(host: str, port: int, engine_id: str) -> socket.socket:
+    """A raw transport connection past the HELLO (the attacker holds the secret)."""
+    import os
+
+    from duplexkv.kv.auth import KVAuth
+    from duplexkv.kv.transport import tcp_wire as w
+
+    auth = KVAuth(TEST_SECRET.encode())
+    s = socket.create_connection((host, port), timeout=5)
+    cn = os.urandom(w.NONCE_BYTES)
+    hello = json.dumps({"from": "raw", "to": engine_id, "nonce": cn.hex()}).encode()
+    s.sendall(w.HELLO_HDR.pack(w.HELLO, len(hello)) + hello)
+    status, n = w.HELLO_HDR.unpack(w.recv_exact(s, w.HELLO_HDR.size))
+    reply = json.loads(w.recv_exact(s, n))
+    assert status == w.OK, reply
+    mine = auth.hello_mac(b"reader", cn, bytes.fromhex(reply["nonce"]), b"raw",
+                          engine_id.encode())
+    s.sendall(w.HELLO_HDR.pack(w.AUTH, len(mine)) + mine)
+    status, n = w.HELLO_HDR.unpack(w.recv_exact(s, w.HELLO_HDR.size))
+    assert status == w.OK, w.recv_exact(s, n)
+    w.recv_exact(s, n)
+    return s
+
+
+def test_huge_or_unclaimed_reads_with_replies_unread_cost_d_no_memory(pd):
+    """Finding (e), second half: one READ of 1M block ids, READs of the whole pool without a
+    claim, and the claim's own READ repeated 50 times, replies never read: D buffers nothing
+    (it used to grow by 390 MB) and still serves a real pull."""
+    from duplexkv.kv import messages as m
+    from duplexkv.kv import side_channel
+    from duplexkv.kv.auth import KVAuth
+    from duplexkv.kv.transport import tcp_wire as w
+
+    p, d = pd
+    _, dj = _turn(p, d)
+    dparams = dj["kv_transfer_params"]
+    kv = d.kv()
+    host, port = _addr(kv["transport"]["listen"])
+    engine_id = kv["engine_id"]
+    sc_host, sc_port = _addr(kv["side_channel"])
+    claim = side_channel.request(sc_host, sc_port, m.Verify(
+        dparams["remote_request_id"], [], PROMPT + dj["choices"][0]["token_ids"]),
+        m.VerifyReply, 5.0, KVAuth(TEST_SECRET.encode()))
+    assert claim.matched > 0
+    base = _rss_mb(d.proc.pid)
+    socks = []
+    try:
+        huge = _hello(host, port, engine_id)
+        socks.append(huge)
+        n = 1 << 20
+        huge.sendall(w.READ_HDR.pack(w.READ, 1, n, 0, b"\0" * 16))
+        try:
+            huge.sendall(b"\0" * (4 * n))
+        except OSError:
+            pass  # refused (and closed) on the header
+        whole = _hello(host, port, engine_id)
+        socks.append(whole)
+        ids = list(range(128))
+        for i in range(20):
+            whole.sendall(w.READ_HDR.pack(w.READ, i, len(ids), 0, b"\0" * 16)
+                          + struct.pack(f">{len(ids)}I", *ids))
+        mine = _hello(host, port, engine_id)
+        socks.append(mine)
+        blocks = dparams["remote_block_ids"][0][:1]
+        for i in range(50):
+            mine.sendall(w.READ_HDR.pack(w.READ, i, len(blocks), 0, claim.token)
+                         + struct.pack(f">{len(blocks)}I", *blocks))
+        time.sleep(1.5)
+        grown = _rss_mb(d.proc.pid) - base
+        assert grown < 64, f"D grew by {grown:.0f} MB"
+    finally:
+        for s in socks:
+            s.close()
+    history = PROMPT + dj["choices"][0]["token_ids"]  # D still serves the real next turn
+    pj = prefill_leg(p, "/v1/completions", body(prompt=history + [7, 8, 9]), dparams)
+    assert pj["kv_stats"]["pulled_tokens"] >= 64, pj["kv_stats"]
+    d.assert_integrity()
+
+
 # secret handling ---------------------------------------------------------------------------
 def test_without_a_secret_a_non_loopback_bind_is_refused(tiny_model_dir, tmp):
     with pytest.raises(RuntimeError, match="DUPLEXKV_KV_SECRET"):

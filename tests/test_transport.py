@@ -282,3 +282,28 @@ def test_make_transport_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "nixl", None)  # makes `import nixl` fail
     with pytest.raises(RuntimeError, match="pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"):
         make_transport("nixl", engine_id="x")
+
+
+def test_tcp_reader_reconnects_after_the_holder_closed_an_idle_connection():
+    """The holder closes a connection idle for `idle_timeout_s`; the reader's next READ on its
+    kept connection must reconnect instead of failing (a 16k pull after two minutes between
+    turns used to fail with "connection closed by peer" and recompute)."""
+    a = make_transport("tcp", engine_id="A", timeout_s=5.0)
+    b = make_transport("tcp", engine_id="B", timeout_s=5.0, idle_timeout_s=0.5)
+    try:
+        a.register(make_pool(0, torch.float32, 4))
+        src = make_pool(1, torch.float32, 4)
+        b.register(src)
+        a.connect("B", b.metadata())
+        for i in range(2):
+            h = a.read("B", [i], [3 - i], b"n")
+            end = time.monotonic() + 10
+            while a.poll(h) is XferState.PENDING and time.monotonic() < end:
+                time.sleep(0.001)
+            assert h.state is XferState.DONE, h.error
+            a.release(h)
+            time.sleep(1.5)  # longer than the holder's idle timeout
+        assert torch.equal(a._pool[[0, 1]], src[[3, 2]])
+    finally:
+        a.close()
+        b.close()

@@ -140,13 +140,24 @@ class PeerLink:
 
         try:
             check()
-            s = self._connect(h.deadline)
             n = len(h.remote_block_ids)
             req = w.READ_HDR.pack(w.READ, job.xfer_id, n, len(job.notif),
                                   h.token[: w.TOKEN_BYTES])
-            w.sendmsg_all(s, [req, _pack_ids(h.remote_block_ids), job.notif], check)
-            status, xfer_id, length = w.READ_REPLY.unpack(
-                w.recv_exact(s, w.READ_REPLY.size, check))
+            for attempt in (0, 1):
+                cached = self.sock is not None
+                s = self._connect(h.deadline)
+                try:
+                    w.sendmsg_all(s, [req, _pack_ids(h.remote_block_ids), job.notif], check)
+                    reply = w.recv_exact(s, w.READ_REPLY.size, check)
+                    break
+                except (ConnectionError, BrokenPipeError) as e:
+                    # a kept connection the holder closed meanwhile (its idle timeout): no
+                    # byte of a reply came, so it served nothing; reconnect once
+                    self._drop()
+                    if attempt or not cached:
+                        raise
+                    log.info("connection to %s was closed (%s); reconnecting", self.peer, e)
+            status, xfer_id, length = w.READ_REPLY.unpack(reply)
             if status != w.OK:
                 text = w.recv_exact(s, length, check).decode(errors="replace")
                 return XferState.FAILED, f"{self.peer!r} refused the READ: {text}"
