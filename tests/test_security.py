@@ -437,16 +437,43 @@ def pd_nixl(tiny_model_dir, tmp):
     d.stop()
 
 
+def _nixl_read(agent, local, peer: str, base: int, ids: list[int], block_bytes: int,
+               msg: bytes = b"x") -> str:
+    """READ blocks `ids` of `peer` (pool at `base`) with NIXL's own API into local blocks
+    0..n-1: "DONE", or why NIXL refused or failed."""
+    import numpy as np
+
+    from duplexkv.kv.transport.nixl_agent import block_dlist
+
+    try:
+        remote = agent.prep_xfer_dlist(peer, block_dlist(base, ids, block_bytes), "DRAM")
+    except Exception as e:  # noqa: BLE001 - NIXL's refusal is the expected outcome
+        return f"prepare refused: {type(e).__name__}"
+    try:
+        idx = np.arange(len(ids), dtype=np.int32)
+        req = agent.make_prepped_xfer("READ", local, idx, remote, idx, notif_msg=msg)
+        state, end = agent.transfer(req), time.monotonic() + 10
+        while state == "PROC" and time.monotonic() < end:
+            state = agent.check_xfer_state(req)
+        req.release()
+        return state
+    finally:
+        remote.release()
+
+
 def test_nixl_reads_only_the_blocks_of_a_live_claim(pd_nixl, monkeypatch):
     """A NIXL peer holding D's agent metadata (it has the cluster secret) but no claim gets no
-    byte of D's pool: the metadata registers no memory, so NIXL prepares no descriptor for any
-    block. A claim's grant covers exactly the claim's blocks; once the entry is released D has
-    deregistered them and a new verify grants nothing. The normal pull still equals reuse off."""
+    byte of D's pool, using NIXL's own API: the metadata registers no memory, so NIXL prepares
+    no descriptor for any block (it used to be the whole pool's). A claim's grant covers exactly
+    the claim's blocks; once the entry is released D has deregistered them and a new verify
+    grants nothing. The normal pull still equals reuse off."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
     from duplexkv.kv import messages as m
     from duplexkv.kv import side_channel
     from duplexkv.kv.auth import KVAuth
-    from duplexkv.kv.transport import XferState, meta
-    from duplexkv.kv.transport.nixl import NixlTransport
+    from duplexkv.kv.transport import meta
+    from duplexkv.kv.transport.nixl_agent import dlist
 
     p, d = pd_nixl
     pulls = d.kv()["counters"]["pulls"]
@@ -460,38 +487,41 @@ def test_nixl_reads_only_the_blocks_of_a_live_claim(pd_nixl, monkeypatch):
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     auth = KVAuth(TEST_SECRET.encode())
     host, port = _addr(d.kv()["side_channel"])
-    info = side_channel.handshake(host, port, 5.0, auth=auth)
-    peer = info.handshake.engine_id
-    pool = torch.zeros((len(blocks), info.handshake.block_bytes), dtype=torch.uint8)
-    t = NixlTransport("nixl-attacker", timeout_s=5.0)
+    hs = side_channel.handshake(host, port, 5.0, auth=auth).handshake
+    header, agent_md = meta.unpack(hs.transport_metadata)
+    base, bb = int(header["base_ptr"]), hs.block_bytes
+    pool = torch.zeros((len(blocks), bb), dtype=torch.uint8)
+    agent = nixl_agent("nixl-attacker", nixl_agent_config(enable_prog_thread=False,
+                                                          backends=["UCX"]))
+    reg = agent.register_memory([(pool.data_ptr(), pool.numel(), 0, "")], "DRAM")
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", dlist(pool.data_ptr(), len(blocks), bb),
+                                  "DRAM")
     try:
-        t.register(pool)
-        t.connect(peer, info.handshake.transport_metadata)
-        _, agent_md = meta.unpack(info.handshake.transport_metadata)
-        # no claim: neither without a grant nor with the agent metadata itself as one
-        for grant in (b"", agent_md):
-            state, err = _read(t, peer, blocks, grant=grant)
-            assert state is XferState.FAILED, err
-        assert not pool.any(), "bytes of D's pool arrived without a claim"
+        assert agent.add_remote_agent(agent_md) in (hs.engine_id, hs.engine_id.encode())
+        # no claim: no block of D's pool (those of D's retained turn, or any other)
+        for ids in (blocks, [0], list(range(hs.num_blocks))[-2:]):
+            got = _nixl_read(agent, local, hs.engine_id, base, ids[:len(blocks)], bb)
+            assert got != "DONE" and not pool.any(), f"read {ids} without a claim: {got}"
         # a claim on the first block: its grant covers that block and no other
         reply = side_channel.request(host, port, m.Verify(rid, [], PROMPT + dj["choices"][0][
             "token_ids"]), m.VerifyReply, 5.0, auth)
         assert 0 < reply.matched <= 16 and reply.grant
-        state, err = _read(t, peer, blocks[1:3], reply.token, grant=reply.grant)
-        assert state is XferState.FAILED, err
-        assert not pool.any(), "bytes of blocks outside the claim arrived"
+        agent.add_remote_agent(reply.grant)
+        got = _nixl_read(agent, local, hs.engine_id, base, blocks[1:3], bb)
+        assert got != "DONE" and not pool.any(), f"blocks outside the claim: {got}"
         assert d.kv()["transport"]["exposed_claims"] == 1
-        state, err = _read(t, peer, blocks[:1], reply.token, notif("done", rid, reply.token),
-                           reply.grant)
-        assert state is XferState.DONE, err
-        assert pool[0].any() and not pool[1:].any()
+        got = _nixl_read(agent, local, hs.engine_id, base, blocks[:1], bb,
+                         notif("done", rid, reply.token))
+        assert got == "DONE" and pool[0].any() and not pool[1:].any(), got
         # released: the registration is gone and nothing grants these blocks again
         wait_for(lambda: d.kv()["transport"]["exposed_claims"] == 0, 10, "the withdrawal")
         again = side_channel.request(host, port, m.Verify(rid, [], PROMPT), m.VerifyReply, 5.0,
                                      auth)
         assert again.matched == 0 and again.reason == "unknown" and not again.grant
     finally:
-        t.close()
+        local.release()
+        agent.remove_remote_agent(hs.engine_id)
+        agent.deregister_memory(reg)
     d.assert_integrity()
 
 

@@ -9,7 +9,7 @@ History 2k/8k/16k tokens plus a 256-token new user turn. Targets: pull within 1.
 16k, and at least 10x faster than recompute at 16k.
 
     .venv/bin/python duplexkv bench reuse [--lengths 2048 8192 16384] [--connector TcpConnector]
-        [--secret]
+        [--secret [--auth-only]]
 
 `--secret` also starts a P and a D sharing a fresh cluster secret (signed params, CURVE side
 channel, authenticated HELLO) and reports, in the same run, their pull (verify + READ) next to
@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--secret", action="store_true",
                     help="also measure a P and D with a cluster secret (authentication's cost)")
+    ap.add_argument("--auth-only", action="store_true",
+                    help="with --secret: measure only the two pulls (skip local and recompute)")
     args = ap.parse_args(argv)
+    if args.auth_only and not args.secret:
+        ap.error("--auth-only compares the pulls with and without --secret: add --secret")
     max_len = max(args.lengths) + args.new_tokens + 64
     common = ["--max-model-len", str(max(max_len, 4096)), "--kv-cache-memory", "1.0"]
     kv = bidirectional_kv(args.connector)
@@ -118,21 +122,30 @@ def main(argv: list[str] | None = None) -> None:
                         for i in range(hist - 64)]
                 d_params, dj = d_turn(client, p, d, base, 65)
                 history = base + dj["choices"][0]["token_ids"]
-                prompt = history + [(31 * i + rep) % (vocab - 10) + 5 for i in range(args.new_tokens)]
-                pull_s, pj, verify_ms, read_ms = timed_pull(client, p, prompt,
-                                                            {**d_params, **MISS})
-                p_leg(client, p_local, history + [5], MISS)  # warm P's own cache
-                local_s, lj = p_leg(client, p_local, prompt, MISS)
-                rec_s, rj = p_leg(client, p, prompt, MISS)
+                new_turn = [(31 * i + rep) % (vocab - 10) + 5 for i in range(args.new_tokens)]
+                prompt = history + new_turn
+                pulls = {"plain": lambda: timed_pull(client, p, prompt, {**d_params, **MISS})}
                 if args.secret:
                     ps, ds = procs[3].url, procs[4].url
                     sd_params, sdj = d_turn(client, ps, ds, base, 65)
                     # D's answer can differ by a few tokens between two processes (bf16): pull
                     # the secret D's own history, which has the same length
-                    sprompt = base + sdj["choices"][0]["token_ids"] + prompt[len(history):]
-                    spull_s, spj, sverify_ms, sread_ms = timed_pull(client, ps, sprompt,
-                                                                    {**sd_params, **MISS})
+                    sprompt = base + sdj["choices"][0]["token_ids"] + new_turn
+                    pulls["secret"] = lambda: timed_pull(client, ps, sprompt,
+                                                         {**sd_params, **MISS})
+                # the pulls run back to back, in alternating order, so that both see the same
+                # machine (the P prefills of the D turns above take the longest)
+                got = {k: pulls[k]() for k in (sorted(pulls, reverse=bool(rep % 2)))}
+                pull_s, pj, verify_ms, read_ms = got["plain"]
+                if args.secret:
+                    spull_s, spj, sverify_ms, sread_ms = got["secret"]
                     assert spj["kv_stats"]["pulled_tokens"] > 0, spj["kv_stats"]
+                if args.auth_only:
+                    local_s = rec_s = float("nan")
+                else:
+                    p_leg(client, p_local, history + [5], MISS)  # warm P's own cache
+                    local_s, lj = p_leg(client, p_local, prompt, MISS)
+                    rec_s, rj = p_leg(client, p, prompt, MISS)
                 if rep == 0:
                     continue
                 if args.secret:
@@ -171,6 +184,11 @@ def main(argv: list[str] | None = None) -> None:
                       f"{med['pulled_tokens_secret']:.0f} vs {med['pulled_tokens']:.0f} tokens; "
                       f"each rep: {res['transfer_ms_secret']} vs {res['transfer_ms']}",
                       flush=True)
+        for name, url in [("d", d)] + ([("d_secret", procs[4].url)] if args.secret else []):
+            t = client.get(url + "/health").json()["kv_transfer"]["transport"]
+            if "grants_issued" in t:  # NIXL: each claim registers, then deregisters, its blocks
+                print(f"{name}: {t['grants_issued']} claims exposed, register + deregister "
+                      f"{t['grant_ms_per_claim']:.3f} ms per claim")
         print("\n| history | pull from D | local hit (ideal) | recompute | pull / local | "
               "recompute / pull | pulled tokens | transfer |")
         print("|---|---|---|---|---|---|---|---|")

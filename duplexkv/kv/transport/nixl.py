@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -116,6 +117,7 @@ class NixlTransport(KVTransport[_Remote]):
         self._grants: dict[bytes, object] = {}  # claim token -> its nixlRegDList
         self._grants_lock = threading.Lock()
         self.grants_issued = 0
+        self.grant_seconds = 0.0  # time spent registering claims and deregistering them
 
     @property
     def name(self) -> str:
@@ -139,6 +141,7 @@ class NixlTransport(KVTransport[_Remote]):
             return b""
         regions = [(layout.base_ptr + b * layout.block_bytes, n * layout.block_bytes, 0, "")
                    for b, n in runs(block_ids)]
+        t0 = time.perf_counter()
         with self._grants_lock:
             reg = self.agent.register_memory(regions, "DRAM", ["UCX"])
             try:
@@ -151,16 +154,19 @@ class NixlTransport(KVTransport[_Remote]):
             self.grants_issued += 1
             if old is not None:
                 self.agent.deregister_memory(old, ["UCX"])
+            self.grant_seconds += time.perf_counter() - t0
         return bytes(grant)
 
     def withdraw(self, token: bytes) -> None:
         with self._grants_lock:
             reg = self._grants.pop(bytes(token), None)
             if reg is not None and not self._closed:
+                t0 = time.perf_counter()
                 try:
                     self.agent.deregister_memory(reg, ["UCX"])
                 except self._errors as e:
                     log.warning("NIXL: deregistering a claim's blocks failed: %s", e)
+                self.grant_seconds += time.perf_counter() - t0
 
     def _connect_impl(self, peer: str, header: dict, blob: bytes,
                       layout: PoolLayout) -> _Remote:
@@ -334,6 +340,7 @@ class NixlTransport(KVTransport[_Remote]):
             "in_flight": len(self._pending), "uncancelled": len(self._zombies),
             "notif_errors": self.notif_errors, "exposed_claims": len(self._grants),
             "grants_issued": self.grants_issued,
+            "grant_ms_per_claim": round(self.grant_seconds * 1e3 / max(1, self.grants_issued), 4),
         }
 
     def _peer_health(self, p: Peer[_Remote]) -> dict:
