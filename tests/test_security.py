@@ -3,10 +3,14 @@ model"; docs/protocol.md, section 6). The attacker is this test process: a separ
 that can reach the workers' side channel and transport ports.
 
 (a) no secret: no engine id from the side channel, no block from the transport; a stolen engine
-    id without a claim: no block; released blocks: unreadable; READ bounded by the claim
+    id without a claim: no block; released blocks: unreadable; READ bounded by the claim; a
+    `done:`/`skip:` without the reader's own claim releases nothing; NIXL: no byte without a
+    claim or outside it, the claim's registration gone after release
 (b)(c) forged, unsigned or edited params: declined as `untrusted`, output as without reuse
 (d) params naming any host:port: no connection there
-(e) 300 idle transport connections: not 300 threads
+(e) 300 idle transport connections: not 300 threads; huge or unclaimed READs whose replies are
+    never read: no memory growth
+(f) the router's /health and /metrics: no Redis URL or password
 and: without a secret, no non-loopback bind; the secret is never logged.
 """
 

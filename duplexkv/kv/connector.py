@@ -138,6 +138,8 @@ class KVConnector(KVConnectorBase):
                 "side_channel": f"{self.server.host}:{self.server.port}",
                 "transport": self.transport.health(), "retained": self.holder.retained.stats(),
                 "pulls_in_flight": len(self.reader.pulls), "counters": counters,
+                "side_channel_sockets": {"opened": self.reader.side.opened,
+                                         "idle": self.reader.side.idle()},
                 "peers": self.gate.state()}
 
     def close(self) -> None:
