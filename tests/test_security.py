@@ -234,6 +234,23 @@ def test_done_or_skip_without_the_readers_claim_releases_nothing(pd):
     d.assert_integrity()
 
 
+def test_one_readers_done_leaves_an_entry_another_reader_still_claims():
+    """Two readers claimed one entry: the first one's `done` ends only its own claim (its token
+    reads nothing more); the entry goes with the second one's `done`, and a repeat is refused."""
+    from duplexkv.kv.retention import RetentionTable
+
+    t = RetentionTable(16, b"seed")
+    t.add("e", [1, 2], list(range(32)), "ttl", 60.0)
+    a, b = (t.verify_and_claim("e", [], list(range(32)), 5.0) for _ in range(2))
+    assert a.matched_tokens == b.matched_tokens == 16 and a.token != b.token
+    assert t.release_claimed("e", a.token, "read") is None and len(t) == 1
+    assert t.authorize_read(a.token, (1,)) is not None
+    assert t.authorize_read(b.token, (1,)) is None
+    assert t.release_claimed("e", b.token, "read") is not None and len(t) == 0
+    assert t.release_claimed("e", b.token, "read") is None
+    assert t.stats()["released"]["read"] == 1 and t.stats()["refused_notifs"] == 1
+
+
 # (b)(c) ------------------------------------------------------------------------------------
 EDITS = {
     "reversed blocks": lambda q: {**q, "remote_block_ids": [q["remote_block_ids"][0][::-1]]},

@@ -57,6 +57,7 @@ class Claim:
     block_ids: tuple[int, ...]  # the entry's blocks covering the matched tokens, in order
     until: float
 
+
 class Grants(Protocol):
     """The transport's side of a claim (`KVTransport.expose` / `withdraw`)."""
 
