@@ -24,7 +24,9 @@ cost: register + partial metadata 5-200 us, deregister 1-10 us, also for 1 GiB (
 no pages are pinned). What NIXL cannot do: UCX's CMA and TCP transports do not check, on the
 holder, that a READ stays inside registered memory (an rkey is enforced only by an RDMA NIC), so
 a reader that kept a grant can READ those addresses after the release, and one that edits the
-grant can READ any address of the holder's process (docs/protocol.md, section 6). Same-host copies go through UCX's `cma` transport (process_vm_readv, the
+grant can READ any address of the holder's process (docs/protocol.md, section 6).
+
+Same-host copies go through UCX's `cma` transport (process_vm_readv, the
 copy runs on the reader's thread inside `read`/`poll`), which needs ptrace permission over the
 peer; without it UCX silently moves the data over TCP. `connect` checks that with the very same
 syscall against the peer's pool and `health()` / the log say so (see cma.py).
@@ -112,7 +114,7 @@ class NixlTransport(KVTransport[_Remote]):
         self._reg = None
         self._local_dlist = None
         self._pending: set[XferHandle] = set()
-        self._zombies: list[object] = []  # NIXL requests that could not be cancelled yet
+        self._zombies: list[_Read] = []  # READs whose NIXL request could not be cancelled yet
         self._backlog: list[tuple[str, bytes]] = []  # notifications seen while settling
         self._grants: dict[bytes, object] = {}  # claim token -> its nixlRegDList
         self._grants_lock = threading.Lock()
@@ -231,13 +233,8 @@ class NixlTransport(KVTransport[_Remote]):
 
     def _fail(self, h: XferHandle, error: str) -> None:
         rd, h.impl = h.impl, None
-        if rd is not None and rd.req is not None:
-            try:
-                rd.req.release()  # cancels it if still in flight
-            except self._errors as e:
-                self._zombies.append(rd.req)
-                error += f" (cancelling failed: {e}; local blocks may still be written)"
-        self._release_remote(rd)
+        if rd is not None and not self._release_read(rd):
+            error += " (cancelling failed; local blocks may still be written)"
         self._pending.discard(h)
         self._complete(h, XferState.FAILED, error)
         self._settle()
@@ -262,20 +259,27 @@ class NixlTransport(KVTransport[_Remote]):
         if h.state is XferState.PENDING:
             self._fail(h, "released while in flight")
         rd, h.impl = h.impl, None
-        if rd is not None and rd.req is not None:
+        if rd is not None:
+            self._release_read(rd)
+
+    def _release_read(self, rd: _Read) -> bool:
+        """Release (cancelling it if in flight) a READ's request, then its remote descriptors;
+        False, and kept for a later retry, if NIXL could not release the request yet."""
+        if rd.req is not None:
             try:
                 rd.req.release()
-            except self._errors:
-                self._zombies.append(rd.req)
-        self._release_remote(rd)
-
-    def _release_remote(self, rd: _Read | None) -> None:
-        if rd is not None and rd.remote is not None:
+            except self._errors as e:
+                log.debug("NIXL: releasing a READ failed (will retry): %s", e)
+                self._zombies.append(rd)
+                return False
+            rd.req = None
+        if rd.remote is not None:
             try:
                 rd.remote.release()
             except self._errors as e:
                 log.debug("NIXL: releasing a READ's remote descriptors: %s", e)
             rd.remote = None
+        return True
 
     def _send_notif_impl(self, peer: str, conn: _Remote, msg: bytes) -> None:
         try:
@@ -301,13 +305,9 @@ class NixlTransport(KVTransport[_Remote]):
         return out
 
     def _retry_zombies(self) -> None:
-        left = []
-        for req in self._zombies:
-            try:
-                req.release()
-            except self._errors:
-                left.append(req)
-        self._zombies = left
+        zombies, self._zombies = self._zombies, []
+        for rd in zombies:
+            self._release_read(rd)  # puts it back if it still cannot be released
 
     def _disconnect_impl(self, peer: str, conn: _Remote) -> None:
         for h in [h for h in self._pending if h.peer == peer]:
