@@ -249,13 +249,13 @@ class Reader:
             remote = list(p.remote_block_ids[first:last])
             if len(remote) != len(pull.local_block_ids):
                 raise ValueError("holder's block list is shorter than its token count")
+            pull.read_started = time.perf_counter()  # NIXL over CMA copies inside read()
             pull.handle = self.transport.read(
                 p.remote_engine_id or "", pull.local_block_ids, remote,
                 notif("done", p.remote_request_id or "", reply.token), reply.token, reply.grant)
         except Exception as e:
             return self._decline(pull, "failed", str(e))
         pull.state, pull.usable_tokens = "reading", usable
-        pull.read_started = time.perf_counter()
         pull.nbytes = len(remote) * self.engine.block_bytes
         return None
 
