@@ -33,7 +33,7 @@ def _worker(conn, env: dict) -> None:
     os.environ.update(env)
     from duplexkv.kv.transport import XferState, make_transport
 
-    ts, pools = {}, {}
+    ts, pools, grants = {}, {}, {}
 
     def make(name, kind, engine_id, seed, dtype, num_blocks, block, timeout_s):
         ts[name] = t = make_transport(kind, engine_id=engine_id, timeout_s=timeout_s)
@@ -41,9 +41,10 @@ def _worker(conn, env: dict) -> None:
         t.register(pools[name])
         return t.metadata()
 
-    def read(name, peer, local, remote, notif):
+    def read(name, peer, local, remote, notif, grant=None):
         t = ts[name]
-        h = t.read(peer, local, remote, notif)
+        h = t.read(peer, local, remote, notif, grant=grants.get(name, b"") if grant is None
+                   else grant)
         while t.poll(h) is XferState.PENDING:
             time.sleep(0.0005)
         t.release(h)
@@ -60,6 +61,9 @@ def _worker(conn, env: dict) -> None:
             "connect": lambda name, *a: ts[name].connect(*a),
             "send_notif": lambda name, *a: ts[name].send_notif(*a),
             "health": lambda name: ts[name].health(),
+            "expose": lambda name, token, ids: ts[name].expose(token, tuple(ids)),
+            "withdraw": lambda name, token: ts[name].withdraw(token),
+            "set_grant": lambda name, grant: grants.__setitem__(name, grant),
             "pool": lambda name: pools[name].clone()}
     while True:
         cmd, args = conn.recv()
@@ -118,10 +122,13 @@ def procs(request):
 
 
 def setup_pair(kind, holder, reader, dtype, num_blocks=40, block=BLOCK, tag=""):
+    """A holder and a connected reader; the holder exposes its whole pool to one claim (NIXL
+    READs need the claim's grant; TCP transports without an authorizer serve any block)."""
     name = f"{dtype}{tag}"
     md = holder("make", name, kind, f"H-{name}", 1, dtype, num_blocks, block, 10.0)
     reader("make", name, kind, f"R-{name}", 2, dtype, num_blocks, block, 10.0)
     reader("connect", name, f"H-{name}", md)
+    reader("set_grant", name, holder("expose", name, b"T" * 16, list(range(num_blocks))))
     return name, md
 
 
@@ -218,6 +225,7 @@ def test_dead_or_stuck_peer_fails_within_timeout(procs):
     md = victim("make", "v", kind, "V", 5, "fp32", 16, BLOCK, 10.0)
     reader("make", "to-v", kind, "R-v", 6, "fp32", 16, BLOCK, timeout)
     reader("connect", "to-v", "V", md)
+    reader("set_grant", "to-v", victim("expose", "v", b"T" * 16, list(range(16))))
     state, err, _ = reader("read", "to-v", "V", [0, 1], [2, 3], b"n1")
     assert state == "done", err
     victim("notifs", "v", 1)  # NIXL: the holder must have taken the notification (flush ack)
@@ -274,3 +282,28 @@ def test_make_transport_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "nixl", None)  # makes `import nixl` fail
     with pytest.raises(RuntimeError, match="pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"):
         make_transport("nixl", engine_id="x")
+
+
+def test_tcp_reader_reconnects_after_the_holder_closed_an_idle_connection():
+    """The holder closes a connection idle for `idle_timeout_s`; the reader's next READ on its
+    kept connection must reconnect instead of failing (a 16k pull after two minutes between
+    turns used to fail with "connection closed by peer" and recompute)."""
+    a = make_transport("tcp", engine_id="A", timeout_s=5.0)
+    b = make_transport("tcp", engine_id="B", timeout_s=5.0, idle_timeout_s=0.5)
+    try:
+        a.register(make_pool(0, torch.float32, 4))
+        src = make_pool(1, torch.float32, 4)
+        b.register(src)
+        a.connect("B", b.metadata())
+        for i in range(2):
+            h = a.read("B", [i], [3 - i], b"n")
+            end = time.monotonic() + 10
+            while a.poll(h) is XferState.PENDING and time.monotonic() < end:
+                time.sleep(0.001)
+            assert h.state is XferState.DONE, h.error
+            a.release(h)
+            time.sleep(1.5)  # longer than the holder's idle timeout
+        assert torch.equal(a._pool[[0, 1]], src[[3, 2]])
+    finally:
+        a.close()
+        b.close()

@@ -62,7 +62,9 @@ def holder(kinds: list[str], num_blocks: int, progress_ms: float, nixl_threads: 
         t.register(pool)
     raw = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_server, args=(raw, pool_view(pool)), daemon=True).start()
-    q_out.put(({k: t.metadata() for k, t in ts.items()}, raw.getsockname()[1]))
+    # one claim over the whole pool (NIXL READs need its grant; TCP has no authorizer here)
+    grants = {k: t.expose(b"bench-claim-0000", tuple(range(num_blocks))) for k, t in ts.items()}
+    q_out.put(({k: t.metadata() for k, t in ts.items()}, grants, raw.getsockname()[1]))
     while not stop.is_set():  # the worker loop: take notifications
         for t in ts.values():
             t.get_notifs()
@@ -71,9 +73,9 @@ def holder(kinds: list[str], num_blocks: int, progress_ms: float, nixl_threads: 
         t.close()
 
 
-def timed_read(t, peer: str, local: list[int], remote: list[int]) -> float:
+def timed_read(t, peer: str, local: list[int], remote: list[int], grant: bytes) -> float:
     t0 = time.perf_counter()
-    h = t.read(peer, local, remote, b"done")
+    h = t.read(peer, local, remote, b"done", grant=grant)
     while t.poll(h) is XferState.PENDING:
         pass
     dt = time.perf_counter() - t0
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     q, stop = ctx.Queue(), ctx.Event()
     proc = ctx.Process(target=holder, args=(kinds, num_blocks, args.nixl_progress_ms, args.nixl_threads, q, stop), daemon=True)
     proc.start()
-    metas, raw_port = q.get(timeout=120)
+    metas, grants, raw_port = q.get(timeout=120)
 
     pool = torch.randn((num_blocks, *BLOCK)).to(torch.bfloat16)  # the reader's pool, touched
     # memcpy baseline: the same blocks gathered by torch.index_select over an int64 view
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         ts[k] = _make(k, f"reader-{k}", args.nixl_progress_ms, args.nixl_threads)
         ts[k].register(pool)
         ts[k].connect(f"holder-{k}", metas[k])
-        timed_read(ts[k], f"holder-{k}", [0, 1], [2, 3])  # warm up the connection
+        timed_read(ts[k], f"holder-{k}", [0, 1], [2, 3], grants[k])  # warm up the connection
     raw = socket.create_connection(("127.0.0.1", raw_port))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     block_bytes = pool[0].numel() * pool.element_size()
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
                 times[name].append(time.perf_counter() - t0)
             torch.set_num_threads(default_threads)
             for k, t in ts.items():
-                times[k].append(timed_read(t, f"holder-{k}", local.tolist(), remote.tolist()))
+                times[k].append(timed_read(t, f"holder-{k}", local.tolist(), remote.tolist(),
+                                           grants[k]))
             times["raw"].append(timed_raw(raw, raw_view[: n * block_bytes]))
         med = {m: statistics.median(v) for m, v in times.items()}
         rows.append((tokens, n * block_bytes, med))

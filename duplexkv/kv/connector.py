@@ -58,12 +58,14 @@ class KVConnector(KVConnectorBase):
                                         auth=auth)
         self.transport.register(engine.runner.pool)
         self.counters: dict = {"pulls": 0, "pulled_tokens": 0, "pulled_bytes": 0,
-                               "transfer_ms": 0.0, "declined": {}, "prefill_first_tokens": 0}
+                               "transfer_ms": 0.0, "verify_ms": 0.0, "read_ms": 0.0,
+                               "declined": {}, "prefill_first_tokens": 0}
         self.pool = ThreadPoolExecutor(NET_THREADS, thread_name_prefix="kv-net")
         self.gate = PeerGate(self.pool, cfg.peer_max_in_flight, cfg.peer_breaker_s)
         self.holder = Holder(cfg, bm, engine.config.block_size, engine.fingerprint,
                              self.engine_id, auth)
-        self.transport.read_authorizer = self.holder.authorize_read
+        self.transport.read_authorizer = self.holder.authorize_read  # TCP: checks each READ
+        self.holder.retained.grants = self.transport  # NIXL: registers each claim's blocks
         self.reader = Reader(cfg, engine, self.transport, self.gate, self.compat_hash,
                              self.counters, auth)
         hs = side_channel.Handshake(self.engine_id, self.compat_hash, cfg.transport,
@@ -136,9 +138,12 @@ class KVConnector(KVConnectorBase):
                 "side_channel": f"{self.server.host}:{self.server.port}",
                 "transport": self.transport.health(), "retained": self.holder.retained.stats(),
                 "pulls_in_flight": len(self.reader.pulls), "counters": counters,
+                "side_channel_sockets": {"opened": self.reader.side.opened,
+                                         "idle": self.reader.side.idle()},
                 "peers": self.gate.state()}
 
     def close(self) -> None:
         self.server.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.reader.side.close()
         self.transport.close()

@@ -7,8 +7,9 @@
 
 A reader first asks `serve_verify` which leading tokens of its prompt the held blocks contain
 (chained block hashes, then token by token) and thereby claims the entry for the READ; the READ
-itself is served by the transport; its completion notification (`done:<id>`) or a reader's
-notify-only message (`skip:<id>`) releases the entry. Engine-thread methods: `hold`,
+itself is served by the transport; its completion notification (`done:<id>:<token>`) or a
+reader's notify-only message (`skip:<id>:<token>`) releases the entry, only under the token of a
+claim on that entry (`notif`, `parse_notif`). Engine-thread methods: `hold`,
 `on_notification`, `expire`, `reclaim`, `refs`. Side-channel thread: `serve_verify`,
 `serve_heartbeat` (the retention table is locked); transport threads: `authorize_read` (the
 capability check before any block is served, under the same lock).
@@ -28,6 +29,24 @@ from duplexkv.kv.config import KVTransferConfig
 from duplexkv.kv.retention import Retained, RetentionTable
 
 log = logging.getLogger(__name__)
+
+
+def notif(kind: str, request_id: str, token: bytes) -> bytes:
+    """A reader's notification to the holder: `done` (READ landed) or `skip` (declined)."""
+    return f"{kind}:{request_id}:{token.hex()}".encode()
+
+
+def parse_notif(msg: bytes) -> tuple[str, str, bytes] | None:
+    """(kind, request id, claim token), or None for anything else. Request ids may contain
+    ':' (they embed the client's); the token is the last field and never does."""
+    kind, _, rest = msg.decode(errors="replace").partition(":")
+    rid, _, tok = rest.rpartition(":")
+    if kind not in ("done", "skip") or not rid:
+        return None
+    try:
+        return kind, rid, bytes.fromhex(tok)
+    except ValueError:
+        return None
 
 
 class Holder:
@@ -78,9 +97,15 @@ class Holder:
             self.bm.unpin(entry.block_ids)
 
     def on_notification(self, msg: bytes) -> None:
-        """A reader finished READing (`done:<id>`) or declined (`skip:<id>`)."""
-        kind, _, rid = msg.decode(errors="replace").partition(":")
-        self._release(self.retained.pop(rid, "read" if kind == "done" else "notified"))
+        """A reader finished READing (`done:<id>:<token>`) or declined (`skip:...`); without a
+        claim's token on that entry nothing is released (retention.py, `release_claimed`)."""
+        parsed = parse_notif(msg)
+        if parsed is None:
+            self.retained.refused_notifs += 1
+            return
+        kind, rid, token = parsed
+        self._release(self.retained.release_claimed(rid, token,
+                                                    "read" if kind == "done" else "notified"))
 
     def expire(self) -> None:
         for entry in self.retained.pop_expired():
@@ -105,7 +130,7 @@ class Holder:
     def serve_verify(self, req: m.Verify) -> m.VerifyReply:
         claim_s = self.cfg.read_timeout_s + self.cfg.expiry_margin_s
         r = self.retained.verify_and_claim(req.request_id, req.hashes, req.tokens, claim_s)
-        return m.VerifyReply(r.matched_tokens, r.expiry, r.reason, r.token)
+        return m.VerifyReply(r.matched_tokens, r.expiry, r.reason, r.token, r.grant)
 
     # transport server threads
     def authorize_read(self, token: bytes, block_ids: tuple[int, ...]) -> str | None:

@@ -64,6 +64,9 @@ class VerifyReply(msgspec.Struct):
     reason: Annotated[str, Meta(max_length=32)] = ""
     # the claim's capability: the READ must carry it (docs/protocol.md, sections 2 and 3)
     token: Annotated[bytes, Meta(max_length=16)] = b""
+    # what the transport needs to READ exactly the claim's blocks (NIXL: partial agent
+    # metadata for the claim's registration; TCP: empty)
+    grant: Annotated[bytes, Meta(max_length=1 << 20)] = b""
 
 
 class HeartbeatReply(msgspec.Struct):

@@ -7,7 +7,8 @@ its network jobs and its failure isolation are one concept.
                            channel on a kv-net thread, gated per peer (`peer_gate`)
     verified (poll)        usable = tokens the holder has for exactly this prompt; gain = usable
                            minus the local prefix hit; below the threshold, expiring soon, no
-                           room -> declined (the holder is told `skip:`, to free at once);
+                           room -> declined (the holder is told `skip:` with the claim's
+                           token, to free at once);
                            else blocks are reserved and the READ starts (`done:` on landing)
     READ polled            DONE -> KVLanded; FAILED -> declined (`failed`); heartbeats renew
                            the holder's lease while it runs
@@ -38,6 +39,7 @@ from duplexkv.kv import messages as m
 from duplexkv.kv import side_channel
 from duplexkv.kv.auth import KVAuth
 from duplexkv.kv.config import KVTransferConfig
+from duplexkv.kv.holder import notif
 from duplexkv.kv.peer_gate import PeerGate
 from duplexkv.kv.transport import KVTransport, XferHandle, XferState
 
@@ -59,6 +61,8 @@ class Pull:
     started: float = field(default_factory=time.perf_counter)
     last_heartbeat: float = field(default_factory=time.perf_counter)
     nbytes: int = 0
+    read_started: float = 0.0  # perf_counter when the READ began (after the verify)
+    token: bytes = b""  # the holder's claim (verify): READ capability, and proof for done/skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,8 @@ class Reader:
         self.pulls: dict[str, Pull] = {}
         self.orphans: list[tuple[XferHandle, list[int]]] = []  # aborted READs still landing
         self.results: queue.SimpleQueue[_Verified] = queue.SimpleQueue()
+        # kept, authenticated side-channel sockets: the CURVE handshake is paid once per socket
+        self.side = side_channel.ClientPool(self.auth)
 
     def threshold_for(self, p: KVTransferParams) -> int | None:
         """Tokens a pull must gain, or None when these params ask for no pull."""
@@ -117,7 +123,7 @@ class Reader:
         info = self.peers.get(key)
         if info is None:
             info = side_channel.handshake(p.remote_host or "", p.remote_port or 0,
-                                          self.cfg.connect_timeout_s, auth=self.auth)
+                                          self.cfg.connect_timeout_s, pool=self.side)
             hs = info.handshake
             if hs.engine_id != p.remote_engine_id:
                 raise side_channel.SideChannelError(
@@ -141,10 +147,9 @@ class Reader:
         breaker); the result goes to the engine thread through `results`."""
         try:
             info = self._peer(p)
-            reply = side_channel.request(p.remote_host or "", p.remote_port or 0,
-                                         m.Verify(p.remote_request_id or "", hashes, tokens),
-                                         m.VerifyReply, self.cfg.connect_timeout_s,
-                                         self.auth)
+            reply = self.side.request(p.remote_host or "", p.remote_port or 0,
+                                      m.Verify(p.remote_request_id or "", hashes, tokens),
+                                      m.VerifyReply, self.cfg.connect_timeout_s)
             assert isinstance(reply, m.VerifyReply)
             self.results.put(_Verified(rid, info, reply))
             return True
@@ -159,9 +164,9 @@ class Reader:
 
     def _heartbeat_job(self, p: KVTransferParams) -> bool:
         try:
-            side_channel.request(p.remote_host or "", p.remote_port or 0,
-                                 m.Heartbeat([p.remote_request_id or ""]), m.HeartbeatReply,
-                                 self.cfg.connect_timeout_s, self.auth)
+            self.side.request(p.remote_host or "", p.remote_port or 0,
+                              m.Heartbeat([p.remote_request_id or ""]), m.HeartbeatReply,
+                              self.cfg.connect_timeout_s)
             return True
         except Exception as e:
             log.warning("heartbeat to %s failed: %s", p.remote_engine_id, e)
@@ -219,6 +224,7 @@ class Reader:
             return self._decline(pull, res.why, res.error)
         reply, info = res.reply, res.info
         assert reply is not None and info is not None
+        pull.token = reply.token
         matched = reply.matched
         last_computed = 0 if self._takes_first_token(seq, p) else 1
         usable = min(matched, p.remote_num_tokens, seq.num_prompt_tokens - last_computed)
@@ -243,9 +249,10 @@ class Reader:
             remote = list(p.remote_block_ids[first:last])
             if len(remote) != len(pull.local_block_ids):
                 raise ValueError("holder's block list is shorter than its token count")
-            pull.handle = self.transport.read(p.remote_engine_id or "", pull.local_block_ids,
-                                              remote, f"done:{p.remote_request_id}".encode(),
-                                              reply.token)
+            pull.read_started = time.perf_counter()  # NIXL over CMA copies inside read()
+            pull.handle = self.transport.read(
+                p.remote_engine_id or "", pull.local_block_ids, remote,
+                notif("done", p.remote_request_id or "", reply.token), reply.token, reply.grant)
         except Exception as e:
             return self._decline(pull, "failed", str(e))
         pull.state, pull.usable_tokens = "reading", usable
@@ -277,11 +284,11 @@ class Reader:
         self.pulls.pop(seq.request_id, None)
         d = self.counters["declined"]
         d[reason] = d.get(reason, 0) + 1
-        if notify is not None:
+        if notify is not None and pull.token:  # no claim (nothing matched): nothing to free
             try:
                 self._connect(p, notify)
                 self.transport.send_notif(p.remote_engine_id or "",
-                                          f"skip:{p.remote_request_id}".encode())
+                                          notif("skip", p.remote_request_id or "", pull.token))
             except Exception as e:
                 log.warning("notify-only to %s failed: %s", p.remote_engine_id, e)
         if reason == "untrusted":
@@ -312,9 +319,12 @@ class Reader:
         seq = pull.seq
         self.pulls.pop(seq.request_id, None)
         gained = pull.usable_tokens - seq.num_computed_tokens
-        ms = (time.perf_counter() - pull.started) * 1e3
+        now = time.perf_counter()
+        ms = (now - pull.started) * 1e3
         c = self.counters
         c["pulls"] += 1
+        c["verify_ms"] += (pull.read_started - pull.started) * 1e3  # the pull's two phases
+        c["read_ms"] += (now - pull.read_started) * 1e3
         c["pulled_tokens"] += gained
         c["pulled_bytes"] += pull.nbytes
         c["transfer_ms"] += ms

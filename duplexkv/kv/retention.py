@@ -8,8 +8,12 @@ references) and the side-channel thread (verifies, claims, renews), hence the lo
                                                                   memory pressure (oldest first)
 A claim (a reader verified the blocks and is about to READ them) protects an entry from expiry
 and from early release until the claim lapses. Each claim carries a random capability token
-(returned by verify): the transport serves a READ only under a live claim's token, and only
-blocks of that claim in its order (`authorize_read`, called from the transport's threads).
+(returned by verify): the TCP transport serves a READ only under a live claim's token, and only
+blocks of that claim in its order (`authorize_read`, called from the transport's threads); a
+transport whose READs never reach the holder (NIXL) instead makes only the claim's blocks
+readable while the claim lives (`Grants.expose` / `withdraw`: the grant bytes go back with the
+verify reply). The reader's `done:` / `skip:` notification must carry its claim's token too:
+a peer without a claim on an entry cannot release it (`release_claimed`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from duplexkv.engine.block_manager import hash_token_blocks
 
@@ -44,6 +48,7 @@ class VerifyResult(NamedTuple):
     expiry: float  # holder clock
     reason: str  # "" or why nothing matched ("unknown", "expired")
     token: bytes = b""  # the claim's capability for the READ (when matched_tokens > 0)
+    grant: bytes = b""  # what the transport needs to READ the claim's blocks (NIXL metadata)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +56,15 @@ class Claim:
     request_id: str
     block_ids: tuple[int, ...]  # the entry's blocks covering the matched tokens, in order
     until: float
+
+
+class Grants(Protocol):
+    """The transport's side of a claim (`KVTransport.expose` / `withdraw`)."""
+
+    def expose(self, token: bytes, block_ids: tuple[int, ...]) -> bytes: ...
+
+    def withdraw(self, token: bytes) -> None: ...
+
 
 TOKEN_BYTES = 16
 MAX_CLAIMS_PER_ENTRY = 8
@@ -78,7 +92,9 @@ class RetentionTable:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, Retained] = OrderedDict()  # oldest first
         self._claims: dict[bytes, Claim] = {}  # capability token -> claim
+        self.grants: Grants | None = None  # set by the connector: the transport's exposure
         self.refused_reads = 0
+        self.refused_notifs = 0
         self.released = {"read": 0, "notified": 0, "expired": 0, "pressure": 0, "abort": 0}
 
     def __len__(self) -> int:
@@ -108,8 +124,13 @@ class RetentionTable:
     def _drop_claims(self, entry: Retained) -> None:
         """Released blocks are never served again, whoever holds a token (lock held)."""
         for t in entry.tokens:
-            self._claims.pop(t, None)
+            self._drop_claim(t)
         entry.tokens.clear()
+
+    def _drop_claim(self, token: bytes) -> None:
+        """Forget one claim and withdraw what its transport exposed (lock held)."""
+        if self._claims.pop(token, None) is not None and self.grants is not None:
+            self.grants.withdraw(token)
 
     def verify_and_claim(self, request_id: str, hashes: list[bytes], tokens: list[int],
                          claim_s: float) -> VerifyResult:
@@ -121,18 +142,21 @@ class RetentionTable:
             if entry.expiry <= now and not entry.claimed(now):
                 return VerifyResult(0, entry.expiry, "expired")
             matched = match_tokens(entry, hashes, tokens, self.block_size)
-            token = b""
+            token, grant = b"", b""
             if matched > 0:
-                entry.claimed_until = max(entry.claimed_until, now + claim_s)
-                entry.expiry = max(entry.expiry, entry.claimed_until)
                 token = secrets.token_bytes(TOKEN_BYTES)
                 nblocks = -(-matched // self.block_size)
-                self._claims[token] = Claim(request_id, tuple(entry.block_ids[:nblocks]),
-                                            now + claim_s)
+                blocks = tuple(entry.block_ids[:nblocks])
+                if self.grants is not None:  # may raise: then no claim, the reader recomputes
+                    grant = self.grants.expose(token, blocks)
+                entry.claimed_until = max(entry.claimed_until, now + claim_s)
+                entry.expiry = max(entry.expiry, entry.claimed_until)
+                self._claims[token] = Claim(request_id, blocks, now + claim_s)
                 entry.tokens.append(token)
                 if len(entry.tokens) > MAX_CLAIMS_PER_ENTRY:
-                    self._claims.pop(entry.tokens.pop(0), None)
-            return VerifyResult(matched, entry.expiry, "" if matched else "mismatch", token)
+                    self._drop_claim(entry.tokens.pop(0))
+            return VerifyResult(matched, entry.expiry, "" if matched else "mismatch", token,
+                                grant)
 
     def authorize_read(self, token: bytes, block_ids: tuple[int, ...]) -> str | None:
         """None if `token` is a live claim whose blocks contain `block_ids` as one run in the
@@ -158,6 +182,30 @@ class RetentionTable:
                 self.refused_reads += 1
             return why
 
+    def release_claimed(self, request_id: str, token: bytes, why: str) -> Retained | None:
+        """A reader's `done:` / `skip:` for `request_id` under its claim's `token`: end that
+        claim; release the entry (return it) unless another reader's claim on it still lives,
+        in which case it goes when that claim ends. A notification without a claim on this
+        entry changes nothing (counted in `refused_notifs`)."""
+        now = time.perf_counter()
+        with self._lock:
+            entry = self._entries.get(request_id)
+            claim = self._claims.get(bytes(token))
+            if entry is None or claim is None or claim.request_id != request_id:
+                self.refused_notifs += 1
+                return None
+            entry.tokens.remove(bytes(token))
+            self._drop_claim(bytes(token))
+            others = [c.until for t in entry.tokens if (c := self._claims.get(t)) is not None
+                      and c.until > now]
+            if others:  # not ours alone: expire as soon as the other claims are over
+                entry.claimed_until, entry.expiry = max(others), now
+                return None
+            del self._entries[request_id]
+            self.released[why] += 1
+            self._drop_claims(entry)
+            return entry
+
     def heartbeat(self, request_ids: list[str], extend_s: float) -> int:
         """Renew leases (not TTLs) to at least now + extend_s; returns how many were known."""
         now, n = time.perf_counter(), 0
@@ -171,8 +219,16 @@ class RetentionTable:
         return n
 
     def pop_expired(self) -> list[Retained]:
+        """Entries past their expiry and not claimed; also ends lapsed claims (a READ cannot
+        still be running under them: the claim outlasts the read timeout)."""
         now = time.perf_counter()
         with self._lock:
+            for e in self._entries.values():
+                lapsed = [t for t in e.tokens
+                          if (c := self._claims.get(t)) is None or c.until <= now]
+                for t in lapsed:
+                    e.tokens.remove(t)
+                    self._drop_claim(t)
             gone = [e for e in self._entries.values() if e.expiry <= now and not e.claimed(now)]
             for e in gone:
                 del self._entries[e.request_id]
@@ -194,8 +250,9 @@ class RetentionTable:
     def pop_all(self) -> list[Retained]:
         with self._lock:
             gone = list(self._entries.values())
+            for e in gone:
+                self._drop_claims(e)
             self._entries.clear()
-            self._claims.clear()
         return gone
 
     def refs(self) -> dict[int, int]:
@@ -211,6 +268,8 @@ class RetentionTable:
         with self._lock:
             kinds = [e.kind for e in self._entries.values()]
             blocks = sum(len(e.block_ids) for e in self._entries.values())
+            claims = len(self._claims)
         return {"entries": len(kinds), "leases": kinds.count("lease"),
                 "ttl": kinds.count("ttl"), "blocks": blocks, "released": dict(self.released),
-                "refused_reads": self.refused_reads}
+                "refused_reads": self.refused_reads, "refused_notifs": self.refused_notifs,
+                "claims": claims}

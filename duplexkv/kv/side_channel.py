@@ -8,6 +8,9 @@ With a cluster secret (kv/auth.py) the socket is a ZMQ CURVE server whose keypai
 client keypair, are derived from the secret; a ZAP handler admits only the derived client key,
 so a peer without the secret completes no handshake and is told nothing, not even the engine
 id. Without a secret the side channel listens on loopback only.
+
+Readers keep their sockets (`ClientPool`): a few REQ sockets per holder address, each connected
+and (with a secret) CURVE-authenticated once, reused for every later verify and heartbeat.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -144,15 +148,9 @@ class SideChannelServer:
         return self.handlers["hb"](req)
 
 
-def request(host: str, port: int, msg: object, reply_type: type, timeout_s: float,
-            auth: KVAuth | None = None) -> object:
-    """One request/reply to a holder's side channel, decoded into `reply_type`.
-    PeerUnreachable when nothing comes back within `timeout_s` (connecting included), BadReply
-    for a malformed answer, SideChannelError when the holder refused."""
+def _open(host: str, port: int, timeout_s: float, auth: KVAuth | None) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
-    sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
     sock.setsockopt(zmq.CONNECT_TIMEOUT, max(1, int(timeout_s * 1000)))
     sock.setsockopt(zmq.MAXMSGSIZE, 1 << 22)
     if auth is not None and auth.enabled:
@@ -160,15 +158,39 @@ def request(host: str, port: int, msg: object, reply_type: type, timeout_s: floa
         sock.curve_serverkey = auth.curve_keys("server")[0]
         sock.curve_publickey = pub
         sock.curve_secretkey = sec
+    sock.connect(f"tcp://{host}:{port}")
+    return sock
+
+
+def _round_trip(sock: zmq.Socket, host: str, port: int, msg: object,
+                timeout_s: float) -> bytes:
+    """Send and receive on a REQ socket; PeerUnreachable after `timeout_s` (the socket is then
+    unusable: a REQ socket cannot send again before it has received)."""
+    ms = max(1, int(timeout_s * 1000))
+    sock.setsockopt(zmq.RCVTIMEO, ms)
+    sock.setsockopt(zmq.SNDTIMEO, ms)
     try:
-        sock.connect(f"tcp://{host}:{port}")
         sock.send(m.encode(msg))
-        raw = sock.recv()
+        return sock.recv()
     except zmq.Again:
         raise PeerUnreachable(f"side channel {host}:{port} did not answer in {timeout_s}s") \
             from None
+
+
+def request(host: str, port: int, msg: object, reply_type: type, timeout_s: float,
+            auth: KVAuth | None = None) -> object:
+    """One request/reply on a fresh socket, decoded into `reply_type`.
+    PeerUnreachable when nothing comes back within `timeout_s` (connecting included), BadReply
+    for a malformed answer, SideChannelError when the holder refused."""
+    sock = _open(host, port, timeout_s, auth)
+    try:
+        raw = _round_trip(sock, host, port, msg, timeout_s)
     finally:
         sock.close(0)
+    return _decode(raw, reply_type, host, port)
+
+
+def _decode(raw: bytes, reply_type: type, host: str, port: int) -> object:
     try:
         reply = m.decode_reply(raw, reply_type)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -178,13 +200,76 @@ def request(host: str, port: int, msg: object, reply_type: type, timeout_s: floa
     return reply
 
 
+class ClientPool:
+    """Persistent side-channel sockets: up to `per_peer` idle REQ sockets per holder address,
+    each connected (and with a secret CURVE-authenticated) once. Thread-safe: a request takes
+    an idle socket or opens one, uses it alone, and gives it back after a reply; a socket that
+    timed out or failed is closed, so the next request opens a fresh one (a restarted holder is
+    reconnected to). Every wait is bounded by the request's `timeout_s`."""
+
+    def __init__(self, auth: KVAuth | None = None, per_peer: int = 4,
+                 max_peers: int = 256) -> None:
+        self.auth = auth
+        self.per_peer, self.max_peers = per_peer, max_peers
+        self._idle: OrderedDict[tuple[str, int], list[zmq.Socket]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.opened = 0
+
+    def request(self, host: str, port: int, msg: object, reply_type: type,
+                timeout_s: float) -> object:
+        """As `request()`, on a kept socket."""
+        key = (host, port)
+        with self._lock:
+            idle = self._idle.get(key)
+            sock = idle.pop() if idle else None
+        if sock is None:
+            sock = _open(host, port, timeout_s, self.auth)
+            self.opened += 1
+        ok = False
+        try:
+            raw = _round_trip(sock, host, port, msg, timeout_s)
+            ok = True
+        finally:
+            if not ok or not self._give_back(key, sock):
+                sock.close(0)
+        return _decode(raw, reply_type, host, port)
+
+    def _give_back(self, key: tuple[str, int], sock: zmq.Socket) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            idle = self._idle.setdefault(key, [])
+            self._idle.move_to_end(key)
+            if len(idle) >= self.per_peer:
+                return False
+            idle.append(sock)
+            while len(self._idle) > self.max_peers:  # forget the least recently used holder
+                for old in self._idle.popitem(last=False)[1]:
+                    old.close(0)
+            return True
+
+    def idle(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._idle.values())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            socks = [s for v in self._idle.values() for s in v]
+            self._idle.clear()
+        for sock in socks:
+            sock.close(0)
+
+
 def handshake(host: str, port: int, timeout_s: float, rounds: int = 3,
-              auth: KVAuth | None = None) -> PeerInfo:
+              auth: KVAuth | None = None, pool: ClientPool | None = None) -> PeerInfo:
     """Fetch the holder's metadata; the clock offset comes from the lowest-RTT round."""
     best = None
     for _ in range(rounds):
         t0 = time.perf_counter()
-        reply = request(host, port, m.Meta_(), m.MetaReply, timeout_s, auth)
+        reply = (pool.request(host, port, m.Meta_(), m.MetaReply, timeout_s) if pool else
+                 request(host, port, m.Meta_(), m.MetaReply, timeout_s, auth))
         t1 = time.perf_counter()
         assert isinstance(reply, m.MetaReply)
         if best is None or t1 - t0 < best[0]:

@@ -127,7 +127,8 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
         try:
             stored = await store.size()
         except Exception as e:  # noqa: BLE001 - reported, not raised
-            stored, store_error = None, repr(e)
+            # the type only: a client error's text can name the store's host and port
+            stored, store_error = None, type(e).__name__
         else:
             store_error = None
         ok = any(b.healthy for b in pool.prefill) and any(b.healthy for b in pool.decode)

@@ -131,7 +131,7 @@ async def _serve(server, app) -> None:
         await store.size()  # a configured Redis must answer at start
     except Exception as e:  # noqa: BLE001 - any client error: one CLI error line
         await store.close()
-        raise ValueError(f"the conversation store {store.describe()} is not reachable: {e}") \
+        raise ValueError(f"the conversation store {store.location()} is not reachable: {e}") \
             from None
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
@@ -142,6 +142,6 @@ async def _serve(server, app) -> None:
         found = app.state.discovery
         log.info("router listening on http://%s:%d (prefill %s; decode %s; store %s; %s%s)", host,
                  port, " ".join(b.url for b in pool.prefill) or "-",
-                 " ".join(b.url for b in pool.decode) or "-", app.state.store.describe(),
+                 " ".join(b.url for b in pool.decode) or "-", app.state.store.location(),
                  app.state.auth_summary, f"; {found.describe()}" if found else "")
     await task

@@ -79,7 +79,12 @@ class ConversationStore(ABC):
         pass
 
     def describe(self) -> str:
-        return type(self).__name__
+        """The store's role, for clients (/health): never an address or a credential."""
+        return "memory"
+
+    def location(self) -> str:
+        """Where the store is, for the operator (log, CLI errors): credentials redacted."""
+        return self.describe()
 
     def state(self) -> str:
         """ok | degraded (failing recently: turns run as misses)."""
@@ -199,7 +204,10 @@ class RedisStore(ConversationStore):
         await self.redis.aclose()
 
     def describe(self) -> str:
-        return f"RedisStore({redact(self.url)})"
+        return "redis"
+
+    def location(self) -> str:
+        return redact(self.url)
 
 
 class GuardedStore(ConversationStore):
@@ -238,6 +246,9 @@ class GuardedStore(ConversationStore):
 
     def describe(self) -> str:
         return self.inner.describe()
+
+    def location(self) -> str:
+        return self.inner.location()
 
     def state(self) -> str:
         return "ok" if self.breaker.healthy else "degraded"

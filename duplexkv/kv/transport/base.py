@@ -55,6 +55,7 @@ class XferHandle:
     finished: float | None = None  # time.monotonic() when DONE/FAILED was first seen
     impl: object = field(default=None, repr=False)
     token: bytes = field(default=b"", repr=False)  # the holder's capability for this READ
+    grant: bytes = field(default=b"", repr=False)  # what the holder exposed for it (NIXL)
 
     @property
     def elapsed_s(self) -> float:
@@ -193,7 +194,8 @@ class KVTransport(ABC, Generic[ConnT]):
         #: holder side: `(token, remote block ids) -> None | why refused`, called from the
         #: transport's server threads before a READ is served. None serves any block in range
         #: (bare transports in tests); the connector always sets the holder's claim check.
-        #: NIXL cannot call it (one-sided RDMA reads never reach the holder's code).
+        #: NIXL cannot call it (one-sided reads never reach the holder's code): there the
+        #: claim itself decides what is readable (`expose` / `withdraw`).
         self.read_authorizer = None
 
     @property
@@ -239,7 +241,7 @@ class KVTransport(ABC, Generic[ConnT]):
         self._peers[peer] = Peer(md, header, self._connect_impl(peer, header, blob, layout))
 
     def read(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-             notif: bytes, token: bytes = b"") -> XferHandle:
+             notif: bytes, token: bytes = b"", grant: bytes = b"") -> XferHandle:
         """Start READing remote blocks into local blocks; return at once.
 
         `remote_block_ids[i]` lands in `local_block_ids[i]`. After the data has landed the
@@ -247,7 +249,8 @@ class KVTransport(ABC, Generic[ConnT]):
         holder gets nothing and relies on its own lease/TTL. ValueError if the lists differ in
         length, an id is out of range, or local ids repeat; RuntimeError if `peer` is not
         connected. An empty read moves nothing, still notifies, and is DONE at once.
-        `token` is the capability the holder's verify returned (TCP sends it with the READ).
+        `token` is the capability the holder's verify returned (TCP sends it with the READ);
+        `grant` is what the holder's `expose` returned for that claim (NIXL needs it).
         """
         layout = self._need_registered()
         p = self._peer(peer)
@@ -255,7 +258,7 @@ class KVTransport(ABC, Generic[ConnT]):
                                    int(p.header["num_blocks"]))
         now = time.monotonic()
         h = XferHandle(peer, loc, rem, len(loc) * layout.block_bytes, now + self.timeout_s, now,
-                       token=bytes(token))
+                       token=bytes(token), grant=bytes(grant))
         self.stats.reads += 1
         if not loc:
             self.send_notif(peer, notif)
@@ -282,6 +285,17 @@ class KVTransport(ABC, Generic[ConnT]):
     def release(self, handle: XferHandle) -> None:
         """Free the handle's resources. Releasing a PENDING read cancels it (best effort)."""
         self._release_impl(handle)
+
+    def expose(self, token: bytes, block_ids: tuple[int, ...]) -> bytes:
+        """Holder side, when a claim is made: make `block_ids` readable under `token` and return
+        what the reader needs for that (its `grant`). Called on the side-channel thread;
+        thread-safe. The TCP transport checks every READ itself (`read_authorizer`) and
+        returns b""; NIXL registers just these blocks and returns their partial metadata."""
+        return b""
+
+    def withdraw(self, token: bytes) -> None:
+        """Holder side, when a claim ends (done, skip, release, lapse): undo `expose`.
+        Unknown tokens are ignored. Thread-safe."""
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         """Send `msg` to a connected peer without moving data (e.g. the reader declined).

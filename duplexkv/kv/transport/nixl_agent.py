@@ -7,6 +7,10 @@ the previous READ's notification, into a round trip the holder must answer. A ho
 long forward pass would stall its readers for the whole pass (measured: a READ took as long as
 the holder's loop interval, 50 ms -> 187 ms per READ at a 200 ms interval).
 
+Why the agent is STRICT-synchronised: a holder registers and deregisters each claim's blocks on
+the side-channel thread (`NixlTransport.expose`) while the worker's loop READs on the engine
+thread; NIXL's default (NONE) would leave that unsynchronised.
+
 Why it must not spin: NIXL's Python wrapper (`nixl_agent`) hard-codes the progress thread's `pthrDelay` to 0, and the
 UCX plugin's thread calls poll() on the UCX event fd with that timeout: 0 means it spins on a
 core. `_progress_delay` substitutes, for the duration of the constructor, a config class whose
@@ -54,18 +58,32 @@ def nixl_errors() -> tuple[type[BaseException], ...]:
 
 
 def dlist(base: int, num_blocks: int, block_bytes: int) -> np.ndarray:
-    d = np.zeros((num_blocks, 3), dtype=np.uint64)
-    d[:, 0] = base + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
+    return block_dlist(base, range(num_blocks), block_bytes)
+
+
+def block_dlist(base: int, block_ids, block_bytes: int) -> np.ndarray:
+    """NIXL transfer descriptors (address, length, device 0) of whole blocks, in order."""
+    ids = np.fromiter(block_ids, dtype=np.uint64)
+    d = np.zeros((len(ids), 3), dtype=np.uint64)
+    d[:, 0] = np.uint64(base) + ids * np.uint64(block_bytes)
     d[:, 1] = block_bytes
     return d
+
+
+def empty_reg_dlist() -> object:
+    """A registration list with no regions: partial metadata of connection info only."""
+    import nixl._bindings as b
+
+    return b.nixlRegDList(b.DRAM_SEG)
 
 
 def make_agent(name: str, backends: list[str], thread_ms: float | None,
                errors: tuple, num_threads: int = 0) -> tuple[object, str, str | None]:
     """(agent, how UCX is progressed, warning or None). With `thread_ms`, NIXL's progress
     thread sleeps in poll() on UCX's event fd with that timeout instead of spinning."""
-    from nixl._api import nixl_agent, nixl_agent_config
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
+    strict = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     if thread_ms is not None and thread_ms > 0:
         # the thread and the caller share the UCX worker: with UCX's default spinlock the
         # thread spins while the caller copies a READ (CMA runs inside transfer()), measured
@@ -77,7 +95,8 @@ def make_agent(name: str, backends: list[str], thread_ms: float | None,
             with _progress_delay(delay_us, seen):
                 agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=True,
                                                            backends=backends,
-                                                           num_threads=num_threads))
+                                                           num_threads=num_threads,
+                                                           sync_mode=strict))
             if seen:
                 how = f"event-driven progress thread (poll timeout {delay_us // 1000} ms)"
                 return agent, how, None
@@ -89,5 +108,5 @@ def make_agent(name: str, backends: list[str], thread_ms: float | None,
     else:
         warning = None
     agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=backends,
-                                                 num_threads=num_threads))
+                                                 num_threads=num_threads, sync_mode=strict))
     return agent, "no progress thread: the worker's loop progresses UCX", warning

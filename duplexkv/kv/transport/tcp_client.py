@@ -22,6 +22,7 @@ from duplexkv.kv.transport.base import XferHandle, XferState, runs
 log = logging.getLogger(__name__)
 SLICE_S = 0.25  # socket timeout granularity: deadlines are checked at least this often
 FORCE_FAIL_S = 2.0  # a job still running this long after its deadline is failed regardless
+REOPEN_IDLE_S = 60.0  # a kept connection idle this long is reopened (holders close at 120 s)
 
 
 class _Cancelled(Exception):
@@ -48,6 +49,7 @@ class PeerLink:
         self.addr = (header["host"], int(header["port"]))
         self.local_mv, self.bb = local_mv, block_bytes
         self.sock: socket.socket | None = None
+        self.last_used = 0.0  # time.monotonic() of the connection's last good exchange
         self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.ids = itertools.count(1)
         self.current: Job | None = None
@@ -76,6 +78,8 @@ class PeerLink:
         self._drop()
 
     def _connect(self, deadline: float) -> socket.socket:
+        if self.sock is not None and time.monotonic() - self.last_used > REOPEN_IDLE_S:
+            self._drop()  # the holder has closed it or is about to: don't lose a READ to that
         if self.sock is None:
             s = socket.create_connection(self.addr, timeout=max(0.01, deadline - time.monotonic()))
             try:
@@ -85,7 +89,7 @@ class PeerLink:
                 s.close()
                 raise
             w.set_time_slices(s, SLICE_S)
-            self.sock = s
+            self.sock, self.last_used = s, time.monotonic()
         return self.sock
 
     def _hello(self, s: socket.socket) -> None:
@@ -140,13 +144,24 @@ class PeerLink:
 
         try:
             check()
-            s = self._connect(h.deadline)
             n = len(h.remote_block_ids)
             req = w.READ_HDR.pack(w.READ, job.xfer_id, n, len(job.notif),
                                   h.token[: w.TOKEN_BYTES])
-            w.sendmsg_all(s, [req, _pack_ids(h.remote_block_ids), job.notif], check)
-            status, xfer_id, length = w.READ_REPLY.unpack(
-                w.recv_exact(s, w.READ_REPLY.size, check))
+            for attempt in (0, 1):
+                cached = self.sock is not None
+                s = self._connect(h.deadline)
+                try:
+                    w.sendmsg_all(s, [req, _pack_ids(h.remote_block_ids), job.notif], check)
+                    reply = w.recv_exact(s, w.READ_REPLY.size, check)
+                    break
+                except (ConnectionError, BrokenPipeError) as e:
+                    # a kept connection the holder closed meanwhile (its idle timeout): no
+                    # byte of a reply came, so it served nothing; reconnect once
+                    self._drop()
+                    if attempt or not cached:
+                        raise
+                    log.info("connection to %s was closed (%s); reconnecting", self.peer, e)
+            status, xfer_id, length = w.READ_REPLY.unpack(reply)
             if status != w.OK:
                 text = w.recv_exact(s, length, check).decode(errors="replace")
                 return XferState.FAILED, f"{self.peer!r} refused the READ: {text}"
@@ -156,6 +171,7 @@ class PeerLink:
             mv, bb = self.local_mv, self.bb
             w.recvmsg_all(s, [mv[first * bb : (first + count) * bb]
                               for first, count in runs(h.local_block_ids)], check)
+            self.last_used = time.monotonic()
             return XferState.DONE, None
         except _Cancelled:
             self._drop()  # the stream is mid-message: start over on the next job
@@ -177,6 +193,7 @@ class PeerLink:
             try:
                 s = self._connect(deadline)
                 w.sendmsg_all(s, [w.NOTIF_HDR.pack(w.NOTIF, len(job.notif)), job.notif], check)
+                self.last_used = time.monotonic()
                 return
             except OSError as e:
                 self._drop()
