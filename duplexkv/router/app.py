@@ -6,6 +6,8 @@ layer, so the hot path stays short).
     GET  /health       per-backend state; 503 while no P or no D is healthy; status "degraded"
                        (200) while the conversation store is failing (turns run as misses)
     GET  /metrics      Prometheus
+    POST /v1/conversations/{id}/keepalive, DELETE /v1/conversations/{id}
+                       the conversation lifecycle (conversation_routes.py, lifecycle.py)
 
 Client input is bounded before anything else runs: headers over `max_header_bytes` get a 431,
 bodies over `max_request_bytes` a 413 (read no further), and `request.parse_client_request`
@@ -31,8 +33,10 @@ from duplexkv.http.auth import APIKeyAuth, api_key_of
 from duplexkv.http.body import read_body
 from duplexkv.http.errors import APIError, model_not_found
 from duplexkv.http.limits import HeaderLimit
+from duplexkv.router import conversation_routes
 from duplexkv.router.backends import BackendPool, HealthChecker
 from duplexkv.router.config import RouterConfig
+from duplexkv.router.lifecycle import LeaseKeeper, LifecycleMetrics
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.proxy import Proxy, Relayed
 from duplexkv.router.request import ENDPOINTS, Kind, parse_client_request
@@ -57,6 +61,8 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
                                 cfg.store_timeout_s, cfg.store_breaker_period_s)
     metrics = RouterMetrics()
     state: dict = {}
+    keeper = LeaseKeeper(None, cfg.worker_headers(), cfg.lease_renew_period_s,
+                         cfg.request_timeout_s, LifecycleMetrics(metrics.registry))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -65,9 +71,13 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
         checker = HealthChecker(pool, upstream.client, cfg.health_interval_s,
                                 cfg.health_timeout_s)
         checker.start()
+        keeper.client = upstream.client
+        state["proxy"].conversations.keeper = keeper
+        keeper.start(list(cfg.decode))
         try:
             yield
         finally:
+            await keeper.stop()
             await checker.stop()
             await upstream.aclose()
             await store.close()
@@ -150,7 +160,9 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
-              Route("/metrics", prometheus, methods=["GET"])]
+              Route("/metrics", prometheus, methods=["GET"]),
+              *conversation_routes.routes(store, keeper, cfg.keepalive_s,
+                                          cfg.conversation_ttl_s)]
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(HeaderLimit, max_bytes=cfg.max_header_bytes),
                                 Middleware(APIKeyAuth, keys=cfg.api_keys)],

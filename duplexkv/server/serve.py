@@ -91,6 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from duplexkv.engine.llm_engine import LLMEngine
     from duplexkv.http.uvicorn_server import CleanExitServer as Server
     from duplexkv.server.app import build_app
+    from duplexkv.server import retention_route
     from duplexkv.server.kv_hook import attach_kv_transfer
 
     engine = LLMEngine(config)
@@ -100,6 +101,7 @@ def run_serve(args: argparse.Namespace) -> int:
         health_extra, collectors = attach_kv_transfer(aeng, args.kv_transfer_config, args)
         name = args.served_model_name or served_name(args.model)
         app = build_app(aeng, name, health_extra, collectors, args.max_request_bytes, api_keys)
+        retention_route.add_route(app, aeng)
         server = Server(uvicorn.Config(app, host=args.host,
                                        port=args.port, lifespan="off", log_level="warning",
                                        access_log=False, timeout_graceful_shutdown=5))

@@ -1,0 +1,291 @@
+"""Retention under memory pressure: of the turns that could reuse D's retained history, how many
+do (pulled-hit rate), with D's pool far smaller than the histories it is asked to keep.
+
+    oldest   the policy before issue 14: release the oldest retained turn first
+    value    eviction by value (kv/eviction.py): tokens saved x chance of reuse before expiry,
+             per block-second held
+    belady   the offline optimum's rule on the same trace: release the turn whose next use is
+             furthest in the future (never used again: first)
+
+One request trace, replayed three times against D's real retention code (`RetentionTable`:
+entries, leases, expiry, the release path and its bookkeeping, the value model with its lineage
+and population estimates, the policy's choice) on a simulated clock; the block pool is a counter
+(each retained turn holds its history's blocks; the running turn needs its own; no sharing
+between conversations). Turns take no time: only the gaps between them count.
+
+The trace: `--slots` conversations run at once; one that ends is followed by a new one after a
+pause. A conversation has a 200-token system prompt, geometric turns (mean `--turns`), each
+adding 64-512 tokens. Each conversation has its own pace (an agent's tool latency, a person's
+reading speed: log-normal across conversations, median `--pace-median` 10 s, sigma
+`--pace-sigma` 1.0), and each gap is that pace jittered (log-normal sigma `--jitter` 0.3). At its end the client deletes it
+(`--delete-share`) or walks away. The over-subscription is measured: the histories that will be
+reused, summed over time, divided by the pool.
+
+    duplexkv bench retention [--slots 48 64 96] [--pool-blocks 1024] [--minutes 30] [--seed 0]
+
+`--real` replays a short trace through a real router, P and D (tiny model) once per policy
+(`decoder_kv_eviction`), reading the hit rate from the router's kv_stats (retention_real.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+from dataclasses import dataclass, field
+
+from duplexkv.kv.retention import RetentionTable
+
+BLOCK = 16
+RENEW_PERIOD_S = 10.0  # the router's --lease-renew-period
+SYSTEM_TOKENS = 200
+POLICIES = ("oldest", "value", "belady")
+
+
+@dataclass(slots=True)
+class Turn:
+    t: float
+    conv: int
+    k: int  # 0-based turn index
+    history: int  # tokens retained after this turn (prompt + answer, last token excluded)
+    next_t: float  # when the conversation's next turn comes (inf: none)
+    deleted_at: float = math.inf  # the client deletes the conversation then (after its last turn)
+    kept_alive: bool = False  # its client keeps it alive until its next turn (keepalive)
+
+
+@dataclass
+class Trace:
+    turns: list[Turn]
+    tokens: dict[int, list[int]]  # conversation -> its token stream (prefixes are its histories)
+    lease_s: float
+    ttl_s: float
+
+    def demand_blocks(self, step_s: float = 1.0) -> float:
+        """Time-averaged blocks of histories that will be reused and can be: the next turn comes
+        within the lease, or within the TTL while its client keeps it alive."""
+        end = max(t.t for t in self.turns)
+        events = []
+        for t in self.turns:
+            gap = t.next_t - t.t
+            if gap <= self.ttl_s and (gap <= self.lease_s or t.kept_alive):
+                events.append((t.t, blocks(t.history)))
+                events.append((t.next_t, -blocks(t.history)))
+        events.sort()
+        area, level, last = 0.0, 0, 0.0
+        for when, delta in events:
+            area += level * (when - last)
+            level, last = level + delta, when
+        return area / end
+
+
+def blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK)
+
+
+def make_trace(slots: int, minutes: float, seed: int, mean_turns: float = 8.0,
+               pace_median_s: float = 10.0, pace_sigma: float = 1.0, jitter: float = 0.3,
+               delete_share: float = 0.5, keepalive_share: float = 0.5, lease_s: float = 60.0,
+               ttl_s: float = 480.0, max_history: int = 1 << 30) -> Trace:
+    rng = random.Random(seed)
+    horizon = minutes * 60
+    turns: list[Turn] = []
+    tokens: dict[int, list[int]] = {}
+    conv = 0
+    for _ in range(slots):
+        t = rng.uniform(0, 30)  # staggered starts
+        while t < horizon:
+            # its own pace (an agent's tool latency, a person's reading speed), jittered per turn
+            pace = min(300.0, max(0.5, rng.lognormvariate(math.log(pace_median_s), pace_sigma)))
+            n = max(2, min(64, int(rng.expovariate(1 / mean_turns)) + 1))
+            keeps = rng.random() < keepalive_share
+            history, mine = SYSTEM_TOKENS, []
+            for k in range(n):
+                history += rng.randint(64, 512)
+                gap = min(ttl_s, pace * rng.lognormvariate(0.0, jitter))
+                more = k + 1 < n and t + gap < horizon and history + 512 <= max_history
+                nxt = t + gap if more else math.inf
+                mine.append(Turn(t, conv, k, history, nxt, kept_alive=keeps and nxt < math.inf))
+                if nxt == math.inf:
+                    break
+                t = nxt
+            if rng.random() < delete_share:
+                mine[-1].deleted_at = t + rng.uniform(0.5, 2)
+            turns += mine
+            stream = random.Random(seed * 1_000_003 + conv)
+            tokens[conv] = [stream.randrange(1, 50000) for _ in range(history + 1)]
+            conv += 1
+            t += rng.uniform(5, 60)  # the next conversation on this slot
+    turns.sort(key=lambda x: x.t)
+    return Trace(turns, tokens, lease_s, ttl_s)
+
+
+@dataclass
+class Clock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Result:
+    policy: str
+    reusable: int = 0  # turns after the first (their history could have been retained)
+    hits: int = 0
+    hit_tokens: int = 0
+    reusable_tokens: int = 0
+    released: dict = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(self.reusable, 1)
+
+    @property
+    def token_rate(self) -> float:
+        return self.hit_tokens / max(self.reusable_tokens, 1)
+
+
+def replay(trace: Trace, pool_blocks: int, policy: str) -> Result:
+    clock = Clock()
+    table = RetentionTable(BLOCK, b"bench-seed", clock=clock, lease_s=trace.lease_s)
+    held: dict[int, tuple[str, int]] = {}  # conversation -> (entry id, history tokens)
+    next_use: dict[str, float] = {}  # entry id -> its next use (belady only)
+    res = Result(policy)
+    used = 0  # blocks held by retained entries
+    deletions: list[tuple[float, int]] = []
+    last_history: dict[int, int] = {}
+    kept: dict[int, tuple[str, float]] = {}  # conversation kept alive -> (entry, last renewal)
+    next_id = 0
+
+    def release(entries) -> None:
+        nonlocal used
+        for e in entries:
+            used -= len(e.block_ids)
+            next_use.pop(e.request_id, None)
+
+    def evict_one() -> bool:
+        if policy == "belady":
+            if not next_use:
+                return False
+            rid = max(next_use, key=next_use.__getitem__)
+            e = table.pop(rid, "pressure")
+        else:
+            e = table.pop_for_pressure(policy)
+        if e is None:
+            return False
+        release([e])
+        return True
+
+    for turn in trace.turns:
+        clock.now = turn.t
+        while deletions and deletions[0][0] <= turn.t:
+            _, conv = heapq.heappop(deletions)
+            if conv in held:
+                table.mark_deleted([held[conv][0]])
+        for conv, (rid, last) in list(kept.items()):  # the router's renewals, every period
+            if turn.t - last >= RENEW_PERIOD_S:
+                table.renew([rid])
+                kept[conv] = (rid, turn.t)
+        release(table.pop_expired())
+        if turn.k > 0:
+            res.reusable += 1
+            prev = held.pop(turn.conv, None)
+            kept.pop(turn.conv, None)
+            res.reusable_tokens += last_history[turn.conv]
+            if prev is not None:
+                e = table.pop(prev[0], "read")
+                if e is not None:
+                    release([e])
+                    res.hits += 1
+                    res.hit_tokens += prev[1]
+        last_history[turn.conv] = turn.history
+        need = blocks(turn.history)
+        while pool_blocks - used < need and evict_one():
+            pass
+        if pool_blocks - used < need:
+            continue  # cannot even run (never happens with a sane pool)
+        rid = f"c{turn.conv}-t{turn.k}-{next_id}"
+        next_id += 1
+        ids = list(range(need))  # the counter pool: ids are not shared
+        table.add(rid, ids, trace.tokens[turn.conv][:turn.history], "ttl", trace.lease_s,
+                  trace.ttl_s)
+        used += need
+        held[turn.conv] = (rid, turn.history)
+        next_use[rid] = turn.next_t
+        if turn.kept_alive:
+            table.renew([rid])
+            kept[turn.conv] = (rid, turn.t)
+        if turn.deleted_at < math.inf:
+            heapq.heappush(deletions, (turn.deleted_at, turn.conv))
+    res.released = dict(table.released)
+    return res
+
+
+def run(slots: list[int], pool_blocks: int, minutes: float, seed: int, **kw) -> list[dict]:
+    rows = []
+    for n in slots:
+        trace = make_trace(n, minutes, seed, **kw)
+        over = trace.demand_blocks() / pool_blocks
+        results = {p: replay(trace, pool_blocks, p) for p in POLICIES}
+        opt = results["belady"].hit_rate
+        row = {"slots": n, "oversubscription": round(over, 2), "turns": len(trace.turns),
+               "reusable": results["value"].reusable}
+        for p, r in results.items():
+            row[p] = round(r.hit_rate, 4)
+            row[p + "_tokens"] = round(r.token_rate, 4)
+        row["value_vs_belady"] = round(results["value"].hit_rate / max(opt, 1e-9), 3)
+        row["value_vs_oldest"] = round(results["value"].hit_rate
+                                       / max(results["oldest"].hit_rate, 1e-9), 2)
+        row["released_value"] = results["value"].released
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="duplexkv bench retention", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--slots", type=int, nargs="+", default=[48, 64, 96],
+                    help="conversations at once (sets the over-subscription)")
+    ap.add_argument("--pool-blocks", type=int, default=1024, help="D's pool for retained turns")
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--turns", type=float, default=8.0, help="mean turns per conversation")
+    ap.add_argument("--pace-median", type=float, default=10.0,
+                    help="median of the conversations' own paces (seconds between turns)")
+    ap.add_argument("--pace-sigma", type=float, default=1.0,
+                    help="spread of the paces across conversations (log-normal sigma)")
+    ap.add_argument("--jitter", type=float, default=0.3,
+                    help="spread of one conversation's gaps around its pace (log-normal sigma)")
+    ap.add_argument("--delete-share", type=float, default=0.5,
+                    help="conversations whose client deletes them at the end")
+    ap.add_argument("--keepalive-share", type=float, default=0.5,
+                    help="conversations whose client keeps them alive between turns")
+    ap.add_argument("--lease", type=float, default=60.0, help="decoder_kv_lease_duration")
+    ap.add_argument("--ttl", type=float, default=480.0, help="decoder_kv_blocks_ttl")
+    ap.add_argument("--json", action="store_true", help="one JSON line per row")
+    ap.add_argument("--real", action="store_true",
+                    help="replay a short trace through a real router, P and D per policy")
+    args, rest = ap.parse_known_args(argv)
+    if args.real:
+        from duplexkv.bench import retention_real
+
+        return retention_real.main(rest)
+    rows = run(args.slots, args.pool_blocks, args.minutes, args.seed, mean_turns=args.turns,
+               pace_median_s=args.pace_median, pace_sigma=args.pace_sigma, jitter=args.jitter,
+               delete_share=args.delete_share, keepalive_share=args.keepalive_share,
+               lease_s=args.lease, ttl_s=args.ttl)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    print(f"pool {args.pool_blocks} blocks x {BLOCK} tokens; {args.minutes:g} min trace, "
+          f"seed {args.seed}; pulled-hit rate (share of reusable turns that pulled)")
+    print(f"{'slots':>5} {'over':>5} {'reusable':>8} {'oldest':>7} {'value':>7} {'belady':>7} "
+          f"{'value/belady':>12} {'value/oldest':>12}")
+    for r in rows:
+        print(f"{r['slots']:>5} {r['oversubscription']:>5.2f} {r['reusable']:>8} "
+              f"{r['oldest']:>7.1%} {r['value']:>7.1%} {r['belady']:>7.1%} "
+              f"{r['value_vs_belady']:>12.2f} {r['value_vs_oldest']:>12.2f}")
+    return 0
