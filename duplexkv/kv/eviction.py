@@ -18,8 +18,8 @@ keepalive) is certain to be wanted again: its chance is 1 and its deadline the c
 The next turn is predicted from the conversation's own rhythm: D links each new entry to the
 previous turn's by the chained block hashes (`Lineage`: the new history extends the old one), so
 it knows the gaps between this conversation's turns; a conversation seen once uses the gaps of
-all conversations (a decaying histogram: of the gaps longer than the entry's age, the share is
-the chance and their mean excess the wait). A conversation later than its own pace predicted is
+all conversations (a decaying histogram of gaps: chance / wait is the expected 1 / wait over the
+gaps longer than the entry's age). A conversation later than its own pace predicted is
 predicted again one gap from now, with its chance halved per gap of lateness (recency).
 Evicting the lowest value first approximates the offline optimum (Belady: evict what is used
 furthest in the future) with predictions in place of the future, weighted by what a reuse saves.
@@ -78,9 +78,11 @@ class Population:
 
 
 def next_turn(age: float, gaps, weights=None) -> tuple[float, float]:
-    """(chance the next turn still comes, its expected wait from now) for an entry `age` old,
-    from gap samples (weighted): the samples longer than the age are the futures still open."""
-    total = alive = wait = 0.0
+    """(chance, wait) for an entry `age` old from weighted gap samples, such that chance / wait
+    is the expected 1 / (time to the next turn) over the futures still open (the samples
+    longer than the age): a likely quick return counts for more than its share of the mean.
+    Later than every sample: a small chance, as late again as it already is."""
+    total = alive = rate = 0.0
     for i, g in enumerate(gaps):
         w = 1.0 if weights is None else weights[i]
         if w <= 0:
@@ -88,12 +90,12 @@ def next_turn(age: float, gaps, weights=None) -> tuple[float, float]:
         total += w
         if g > age:
             alive += w
-            wait += w * (g - age)
+            rate += w / max(g - age, MIN_WAIT_S)
     if total <= 0:
         return 1.0, max(age, 1.0)
-    if alive <= 0:  # later than anything seen: it may come, as late again as it already is
+    if alive <= 0:
         return LATE_P, max(age, MIN_WAIT_S)
-    return alive / total, wait / alive
+    return 1.0, total / rate
 
 
 @dataclass(slots=True)
@@ -117,6 +119,7 @@ class Lineage:
             if r is not None:
                 return r
         return None
+
 
 
 def value(*, tokens: int, blocks: int, created: float, expiry: float, cap: float,
