@@ -1,5 +1,5 @@
 """Retention under memory pressure: of the turns that could reuse D's retained history, how many
-do (pulled-hit rate), with D's pool far smaller than the histories it is asked to keep.
+do (pulled-hit rate), with D's pool smaller than the histories it is asked to keep.
 
     oldest   the policy before issue 14: release the oldest retained turn first
     value    eviction by value (kv/eviction.py): tokens saved x chance of reuse before expiry,
@@ -7,23 +7,25 @@ do (pulled-hit rate), with D's pool far smaller than the histories it is asked t
     belady   the offline optimum's rule on the same trace: release the turn whose next use is
              furthest in the future (never used again: first)
 
-One request trace, replayed three times against D's real retention code (`RetentionTable`:
-entries, leases, expiry, the release path and its bookkeeping, the value model with its lineage
-and population estimates, the policy's choice) on a simulated clock; the block pool is a counter
-(each retained turn holds its history's blocks; the running turn needs its own; no sharing
-between conversations). Turns take no time: only the gaps between them count.
+One trace, replayed against D's real retention code (`RetentionTable`: entries, leases, renewals,
+expiry, deletion, the release bookkeeping, the value model with its lineage and population
+estimates, the policy's choice) on a simulated clock; the block pool is a counter (a retained
+turn holds its history's blocks, the running turn its own; no sharing between conversations).
+Turns take no time: only the gaps between them count.
 
-The trace: `--slots` conversations run at once; one that ends is followed by a new one after a
-pause. A conversation has a 200-token system prompt, geometric turns (mean `--turns`), each
-adding 64-512 tokens. Each conversation has its own pace (an agent's tool latency, a person's
-reading speed: log-normal across conversations, median `--pace-median` 10 s, sigma
-`--pace-sigma` 1.0), and each gap is that pace jittered (log-normal sigma `--jitter` 0.3). At its end the client deletes it
-(`--delete-share`) or walks away. The over-subscription is measured: the histories that will be
-reused, summed over time, divided by the pool.
+The trace: `--slots` conversations at once; one that ends is followed by a new one after 5-60 s.
+A conversation has a 200-token system prompt and geometric turns (mean `--turns`) adding 64-512
+tokens each. It has its own pace (an agent's tool latency, a person's reading speed: log-normal
+across conversations, median `--pace-median` 10 s, sigma `--pace-sigma` 1.0); each gap is that
+pace jittered (log-normal, sigma `--jitter` 0.3). Its client keeps it alive between turns
+(`--keepalive-share`: the router renews its lease) and deletes it at the end (`--delete-share`),
+or not. Lease 60 s, TTL 480 s, renewals every 10 s (the defaults). D's pool is sized so that the
+histories that will be reused (and can be: within the lease, or kept alive), averaged over
+time, are `--oversubscription` times it.
 
-    duplexkv bench retention [--slots 48 64 96] [--pool-blocks 1024] [--minutes 30] [--seed 0]
+    duplexkv bench retention [--oversubscription 2 3 4] [--slots 32] [--seeds 0 1 2 3 4]
 
-`--real` replays a short trace through a real router, P and D (tiny model) once per policy
+`--real` replays a trace through a real router, P and D (tiny model) once per policy
 (`decoder_kv_eviction`), reading the hit rate from the router's kv_stats (retention_real.py).
 """
 
@@ -31,95 +33,17 @@ from __future__ import annotations
 
 import argparse
 import heapq
-from collections import Counter
 import json
 import math
-import random
+from collections import Counter
 from dataclasses import dataclass, field
 
+from duplexkv.bench.retention_trace import BLOCK, Trace, Turn, blocks, make_trace
 from duplexkv.kv.retention import RetentionTable
 
-BLOCK = 16
+__all__ = ["BLOCK", "Trace", "Turn", "blocks", "make_trace", "replay", "run", "main"]
 RENEW_PERIOD_S = 10.0  # the router's --lease-renew-period
-SYSTEM_TOKENS = 200
 POLICIES = ("oldest", "value", "belady")
-
-
-@dataclass(slots=True)
-class Turn:
-    t: float
-    conv: int
-    k: int  # 0-based turn index
-    history: int  # tokens retained after this turn (prompt + answer, last token excluded)
-    next_t: float  # when the conversation's next turn comes (inf: none)
-    deleted_at: float = math.inf  # the client deletes the conversation then (after its last turn)
-    kept_alive: bool = False  # its client keeps it alive until its next turn (keepalive)
-
-
-@dataclass
-class Trace:
-    turns: list[Turn]
-    tokens: dict[int, list[int]]  # conversation -> its token stream (prefixes are its histories)
-    lease_s: float
-    ttl_s: float
-
-    def demand_blocks(self, step_s: float = 1.0) -> float:
-        """Time-averaged blocks of histories that will be reused and can be: the next turn comes
-        within the lease, or within the TTL while its client keeps it alive."""
-        end = max(t.t for t in self.turns)
-        events = []
-        for t in self.turns:
-            gap = t.next_t - t.t
-            if gap <= self.ttl_s and (gap <= self.lease_s or t.kept_alive):
-                events.append((t.t, blocks(t.history)))
-                events.append((t.next_t, -blocks(t.history)))
-        events.sort()
-        area, level, last = 0.0, 0, 0.0
-        for when, delta in events:
-            area += level * (when - last)
-            level, last = level + delta, when
-        return area / end
-
-
-def blocks(tokens: int) -> int:
-    return -(-tokens // BLOCK)
-
-
-def make_trace(slots: int, minutes: float, seed: int, mean_turns: float = 8.0,
-               pace_median_s: float = 10.0, pace_sigma: float = 1.0, jitter: float = 0.3,
-               delete_share: float = 0.5, keepalive_share: float = 0.5, lease_s: float = 60.0,
-               ttl_s: float = 480.0, max_history: int = 1 << 30) -> Trace:
-    rng = random.Random(seed)
-    horizon = minutes * 60
-    turns: list[Turn] = []
-    tokens: dict[int, list[int]] = {}
-    conv = 0
-    for _ in range(slots):
-        t = rng.uniform(0, 30)  # staggered starts
-        while t < horizon:
-            # its own pace (an agent's tool latency, a person's reading speed), jittered per turn
-            pace = min(300.0, max(0.5, rng.lognormvariate(math.log(pace_median_s), pace_sigma)))
-            n = max(2, min(64, int(rng.expovariate(1 / mean_turns)) + 1))
-            keeps = rng.random() < keepalive_share
-            history, mine = SYSTEM_TOKENS, []
-            for k in range(n):
-                history += rng.randint(64, 512)
-                gap = min(ttl_s, pace * rng.lognormvariate(0.0, jitter))
-                more = k + 1 < n and t + gap < horizon and history + 512 <= max_history
-                nxt = t + gap if more else math.inf
-                mine.append(Turn(t, conv, k, history, nxt, kept_alive=keeps and nxt < math.inf))
-                if nxt == math.inf:
-                    break
-                t = nxt
-            if rng.random() < delete_share:
-                mine[-1].deleted_at = t + rng.uniform(0.5, 2)
-            turns += mine
-            stream = random.Random(seed * 1_000_003 + conv)
-            tokens[conv] = [stream.randrange(1, 50000) for _ in range(history + 1)]
-            conv += 1
-            t += rng.uniform(5, 60)  # the next conversation on this slot
-    turns.sort(key=lambda x: x.t)
-    return Trace(turns, tokens, lease_s, ttl_s)
 
 
 @dataclass
