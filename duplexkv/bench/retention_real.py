@@ -10,7 +10,7 @@ their conversations as the trace says. D's pool (`--pool-blocks`) is sized so th
 to keep are `--oversubscription` times it. Printed next to the runs: the simulation of the same
 trace at the same pool (oldest, value, Belady), for the offline optimum.
 
-    duplexkv bench retention --real [--slots 24] [--minutes 3] [--time-scale 5] [--seed 0]
+    duplexkv bench retention --real [--slots 32] [--minutes 3] [--time-scale 5] [--seed 0]
 """
 
 from __future__ import annotations
@@ -125,6 +125,7 @@ def run_policy(policy: str, trace: sim.Trace, args, log_dir: Path) -> dict:
         d_metrics = httpx.get(d.url + "/metrics", timeout=30).text
         r_metrics = httpx.get(router.url + "/metrics", timeout=30).text
         integrity = httpx.get(d.url + "/debug/engine", timeout=30).json()["integrity"]
+        d_retained = httpx.get(d.url + "/health", timeout=30).json()["kv_transfer"]["retained"]
     finally:
         stop_all(procs)
     reusable = [t for t in turns if t.get("k", 0) > 0]
@@ -136,18 +137,19 @@ def run_policy(policy: str, trace: sim.Trace, args, log_dir: Path) -> dict:
             "outcomes": dict(outcomes), "router_states": dict(states),
             "released": metric_values(d_metrics, "duplexkv_kv_retained_released_total"),
             "invalidated": float(inval.group(1)) if inval else 0.0,
-            "errors": sum(1 for t in turns if "error" in t), "integrity": integrity}
+            "errors": sum(1 for t in turns if "error" in t), "integrity": integrity,
+            "d_retained": d_retained}
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="duplexkv bench retention --real")
-    ap.add_argument("--slots", type=int, default=24)
+    ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--minutes", type=float, default=3.0, help="wall-clock length of the run")
     ap.add_argument("--time-scale", type=float, default=5.0)
     ap.add_argument("--oversubscription", type=float, default=3.0)
     ap.add_argument("--pool-blocks", type=int, default=0, help="D's pool (0: from the trace)")
     ap.add_argument("--pace-sigma", type=float, default=1.0)
-    ap.add_argument("--max-history", type=int, default=3000)
+    ap.add_argument("--max-history", type=int, default=1200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", nargs="+", default=["oldest", "value"])
     args = ap.parse_args(argv)

@@ -106,6 +106,7 @@ class RetentionTable:
         self.released = {"read": 0, "notified": 0, "expired": 0, "capped": 0, "pressure": 0,
                          "deleted": 0, "abort": 0}
         self.renewals = 0  # "ttl" leases renewed by the router
+        self.linked = 0  # "ttl" entries recognised as a later turn of a conversation seen before
         self.generation = 0
         self._log: deque[tuple[int, str]] = deque(maxlen=RELEASE_LOG)
         self.lineage = eviction.Lineage()
@@ -126,6 +127,7 @@ class RetentionTable:
             if kind == "ttl":
                 r = self.lineage.find(hashes)
                 if r is not None:  # a later turn of a conversation D has seen
+                    self.linked += 1
                     gap = max(now - r.last_created, 0.0)
                     r.observe(gap)
                     self.population.observe_gap(gap)
@@ -338,4 +340,5 @@ class RetentionTable:
         return {"entries": len(kinds), "leases": kinds.count("lease"),
                 "ttl": kinds.count("ttl"), "blocks": blocks, "released": dict(self.released),
                 "refused_reads": self.refused_reads, "renewals": self.renewals,
-                "generation": self.generation}
+                "generation": self.generation, "linked": self.linked,
+                "continuation": round(self.population.continuation, 3)}

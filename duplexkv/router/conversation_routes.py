@@ -3,8 +3,9 @@
     POST   /v1/conversations/{id}/keepalive   body optional: {"seconds": s} (default
            `--keepalive-seconds`, at most the router's conversation TTL). The conversation stays
            active that long: the router renews D's lease on its last turn (an agent about to run
-           a long tool call). 200 {"id", "object": "conversation.keepalive", "held": bool,
-           "expires_in_s": float | null}; 404 when the router holds no turn of it.
+           a long tool call). 200 {"id", "object": "conversation.keepalive", "held": bool |
+           null (D did not answer; renewals go on), "expires_in_s": float | null}; 404 when
+           the router holds no turn of it.
     DELETE /v1/conversations/{id}   the conversation is over: its entry leaves the store and D
            releases the blocks before the answer. 200 {"id", "object": "conversation.deleted",
            "deleted": true, "released": bool | null}; 404 when there is nothing to delete.
@@ -83,11 +84,10 @@ def routes(store: ConversationStore, keeper: LeaseKeeper, default_s: float,
                 raise _not_found(conv_id)
         except APIError as e:
             return e.response()
-        left = await keeper.keepalive(key, entry, seconds)
-        keeper.metrics.lifecycle.labels("keepalive", "held" if left is not None
-                                        else "not_held").inc()
+        outcome, left = await keeper.keepalive(key, entry, seconds)
+        keeper.metrics.lifecycle.labels("keepalive", outcome).inc()
         return JSONResponse({"id": conv_id, "object": "conversation.keepalive",
-                             "held": left is not None,
+                             "held": None if outcome == "error" else outcome == "held",
                              "expires_in_s": None if left is None else round(left, 3)})
 
     async def delete(request: Request) -> Response:

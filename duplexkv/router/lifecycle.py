@@ -109,21 +109,25 @@ class LeaseKeeper:
             self.active[key] = Active(entry.decode_url, rid, a.keep_until)
 
     # client calls ----------------------------------------------------------------------------
-    async def keepalive(self, key: str, entry: Entry, seconds: float) -> float | None:
-        """Keep the conversation active for `seconds` and renew its lease now.
-        -> seconds until D's (renewed) expiry, None when D no longer holds it."""
+    async def keepalive(self, key: str, entry: Entry, seconds: float) -> tuple[str, float | None]:
+        """Keep the conversation active for `seconds` and renew its lease now. -> ("held",
+        seconds until D's renewed expiry) | ("not_held", None): D released it | ("error", None):
+        D did not answer (the router keeps renewing every period)."""
         rid = retained_id(entry)
         if rid is None:
-            return None
+            return "not_held", None
         a = self.active.get(key)
         if a is None or a.rid != rid:
             a = self.active[key] = Active(entry.decode_url, rid, 0.0, a.turn_until if a else 0.0)
         a.keep_until = max(a.keep_until, time.monotonic() + seconds)
         reply = await self._sync(entry.decode_url, renew=[rid])
-        held = reply.held.get(rid) if reply is not None else None
-        if reply is not None and held is None:
+        if reply is None:
+            return "error", None
+        held = reply.held.get(rid)
+        if held is None:
             self.active.pop(key, None)
-        return held
+            return "not_held", None
+        return "held", held
 
     async def delete(self, key: str, entry: Entry) -> bool | None:
         """Tell D to release the conversation's blocks now. -> whether D held them (None: D did
