@@ -3,14 +3,17 @@ router, P and D (TCP, bidirectional, float32), once per eviction policy of D
 (`decoder_kv_eviction`: oldest, value), with the trace's clock compressed `--time-scale` times
 (paces, lease, TTL and the router's renewal period alike) so that a run takes minutes.
 
-Every turn is a /v1/completions call naming its conversation; its prompt is the previous prompt,
+Turns add 32-160 tokens (the simulation's default is 64-512) and histories stop at
+`--max-history` tokens, so that D's pool stays well above one turn's blocks. Every turn is a
+/v1/completions call naming its conversation; its prompt is the previous prompt,
 the previous answer's token ids and the turn's new tokens. A turn after the first is a pulled hit
 when P reports `pull_outcome: "pulled"` in the router's kv_stats. Clients keep alive and delete
 their conversations as the trace says. D's pool (`--pool-blocks`) is sized so that the histories
-to keep are `--oversubscription` times it. Printed next to the runs: the simulation of the same
+to keep are `--oversubscription` times it, plus `--headroom` blocks for the turns D runs at once
+(the simulation runs one at a time). Printed next to the runs: the simulation of the same
 trace at the same pool (oldest, value, Belady), for the offline optimum.
 
-    duplexkv bench retention --real [--slots 32] [--minutes 3] [--time-scale 5] [--seed 0]
+    duplexkv bench retention --real [--slots 48] [--minutes 3] [--time-scale 5] [--seed 0]
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def build_trace(args) -> sim.Trace:
     s = args.time_scale
     return sim.make_trace(args.slots, args.minutes * s, args.seed, pace_median_s=10.0,
                           pace_sigma=args.pace_sigma, jitter=0.3, lease_s=60.0, ttl_s=480.0,
-                          max_history=args.max_history)
+                          max_history=args.max_history, turn_tokens=(32, 160))
 
 
 def scaled(trace: sim.Trace, s: float) -> sim.Trace:
@@ -110,15 +113,17 @@ def run_policy(policy: str, trace: sim.Trace, args, log_dir: Path) -> dict:
                           decoder_kv_lease_duration=60.0 / s, decoder_kv_blocks_ttl=480.0 / s)
     common = ("--dtype", "float32", "--max-model-len", "4096")
     p = spawn(f"prefill-{policy}", worker_args(MODEL, kv, *common, "--num-kv-blocks", "2048",
-                                               "--no-enable-prefix-caching"), log_dir)
+                                               "--no-enable-prefix-caching"), log_dir,
+              die_with_parent=True)
     d = spawn(f"decode-{policy}", worker_args(MODEL, kv, *common, "--num-kv-blocks",
-                                              str(args.pool_blocks)), log_dir)
+                                              str(args.pool_blocks + args.headroom)), log_dir,
+              die_with_parent=True)
     procs = [p, d]
     try:
         wait_ready([p, d])
         router = spawn(f"router-{policy}", [
             "router", "--port", "0", "--prefill", p.url, "--decode", d.url,
-            "--lease-renew-period", str(10.0 / s)], log_dir)
+            "--lease-renew-period", str(10.0 / s)], log_dir, die_with_parent=True)
         procs.append(router)
         wait_ready([router])
         turns = asyncio.run(drive(router.url, trace, args.seed))
@@ -143,11 +148,14 @@ def run_policy(policy: str, trace: sim.Trace, args, log_dir: Path) -> dict:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="duplexkv bench retention --real")
-    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--slots", type=int, default=48)
     ap.add_argument("--minutes", type=float, default=3.0, help="wall-clock length of the run")
     ap.add_argument("--time-scale", type=float, default=5.0)
     ap.add_argument("--oversubscription", type=float, default=3.0)
     ap.add_argument("--pool-blocks", type=int, default=0, help="D's pool (0: from the trace)")
+    ap.add_argument("--headroom", type=int, default=0,
+                    help="blocks D gets beyond the pool, for its running turns (0: one turn "
+                         "of the longest history)")
     ap.add_argument("--pace-sigma", type=float, default=1.0)
     ap.add_argument("--max-history", type=int, default=1200)
     ap.add_argument("--seed", type=int, default=0)
@@ -162,18 +170,25 @@ def main(argv: list[str]) -> int:
     if not args.pool_blocks:
         args.pool_blocks = max(64, int(demand / args.oversubscription))
     over = demand / args.pool_blocks
+    if not args.headroom:
+        args.headroom = sim.blocks(args.max_history)
     print(f"trace: {args.slots} conversations at once, {len(trace.turns)} turns over "
-          f"{args.minutes:g} min (clock x{args.time_scale:g}); D pool {args.pool_blocks} blocks; "
-          f"histories to keep {over:.2f}x the pool", flush=True)
+          f"{args.minutes:g} min (clock x{args.time_scale:g}); D pool {args.pool_blocks} blocks "
+          f"+ {args.headroom} for running turns; histories to keep {over:.2f}x the pool",
+          flush=True)
     simulated = {p: sim.replay(base, args.pool_blocks, p) for p in sim.POLICIES}
+    whole = {p: sim.replay(base, args.pool_blocks + args.headroom, p) for p in sim.POLICIES}
     log_dir = Path(tempfile.mkdtemp(prefix="duplexkv-retention-"))
     rows = [run_policy(p, trace, args, log_dir) for p in args.policies]
     for r in rows:
         print(json.dumps(r), flush=True)
-    print(f"\n{'policy':>8} {'real hit rate':>14} {'simulated':>10}")
+    print(f"\n{'policy':>8} {'real hit rate':>14} {'sim, pool':>10} {'sim, pool+headroom':>19}")
     for r in rows:
-        print(f"{r['policy']:>8} {r['hit_rate']:>14.1%} {simulated[r['policy']].hit_rate:>10.1%}")
-    print(f"{'belady':>8} {'':>14} {simulated['belady'].hit_rate:>10.1%}")
+        p = r["policy"]
+        print(f"{p:>8} {r['hit_rate']:>14.1%} {simulated[p].hit_rate:>10.1%} "
+              f"{whole[p].hit_rate:>19.1%}")
+    print(f"{'belady':>8} {'':>14} {simulated['belady'].hit_rate:>10.1%} "
+          f"{whole['belady'].hit_rate:>19.1%}")
     got = {r["policy"]: r["hit_rate"] for r in rows}
     if "value" in got and "oldest" in got:
         print(f"real value/oldest {got['value'] / max(got['oldest'], 1e-9):.2f}; real value / "

@@ -55,7 +55,8 @@ def blocks(tokens: int) -> int:
 def make_trace(slots: int, minutes: float, seed: int, mean_turns: float = 8.0,
                pace_median_s: float = 10.0, pace_sigma: float = 1.0, jitter: float = 0.3,
                delete_share: float = 0.5, keepalive_share: float = 0.5, lease_s: float = 60.0,
-               ttl_s: float = 480.0, max_history: int = 1 << 30) -> Trace:
+               ttl_s: float = 480.0, max_history: int = 1 << 30,
+               turn_tokens: tuple[int, int] = (64, 512)) -> Trace:
     rng = random.Random(seed)
     horizon = minutes * 60
     turns: list[Turn] = []
@@ -70,9 +71,10 @@ def make_trace(slots: int, minutes: float, seed: int, mean_turns: float = 8.0,
             keeps = rng.random() < keepalive_share
             history, mine = SYSTEM_TOKENS, []
             for k in range(n):
-                history += rng.randint(64, 512)
+                history += rng.randint(*turn_tokens)
                 gap = min(ttl_s, pace * rng.lognormvariate(0.0, jitter))
-                more = k + 1 < n and t + gap < horizon and history + 512 <= max_history
+                more = (k + 1 < n and t + gap < horizon
+                        and history + turn_tokens[1] <= max_history)
                 nxt = t + gap if more else math.inf
                 mine.append(Turn(t, conv, k, history, nxt, kept_alive=keeps and nxt < math.inf))
                 if nxt == math.inf:

@@ -12,7 +12,7 @@ itself is served by the transport; its completion notification (`done:<id>`) or 
 notify-only message (`skip:<id>`) releases the entry. Engine-thread methods: `hold`,
 `on_notification`, `expire`, `reclaim`, `refs`. Side-channel thread: `serve_verify`,
 `serve_heartbeat` (the retention table is locked); HTTP thread: `sync` (the router's renewals,
-deletions and release notices, retention_sync.py); transport threads: `authorize_read` (the
+deletions and release notices, http/retention_sync.py); transport threads: `authorize_read` (the
 capability check before any block is served, under the same lock).
 """
 
@@ -24,8 +24,8 @@ import secrets
 from duplexkv.engine.block_manager import BlockManager
 from duplexkv.engine.kv_transfer import KVTransferParams
 from duplexkv.engine.sequence import Sequence
-from duplexkv.kv import messages as m
 from duplexkv.http import retention_sync as rs
+from duplexkv.kv import messages as m
 from duplexkv.kv.auth import SIGNATURE_KEY, KVAuth
 from duplexkv.kv.config import KVTransferConfig
 from duplexkv.kv.retention import Retained, RetentionTable
@@ -129,11 +129,11 @@ class Holder:
         thread to free them now)."""
         t = self.retained
         held, unknown = t.renew(req.renew)
-        deleted = t.mark_deleted(req.delete)
-        unknown += [rid for rid in req.delete if rid not in set(deleted)]
-        log_ = t.released_since(req.since)
-        return rs.SyncReply(log_.generation, held, unknown, log_.request_ids, log_.reset), \
-            bool(deleted)
+        deleted = set(t.mark_deleted(req.delete))
+        unknown += [rid for rid in req.delete if rid not in deleted]
+        notices = t.released_since(req.since)
+        return rs.SyncReply(notices.generation, held, unknown, notices.request_ids,
+                            notices.reset), bool(deleted)
 
     def serve_heartbeat(self, req: m.Heartbeat) -> m.HeartbeatReply:
         return m.HeartbeatReply(self.retained.heartbeat(req.request_ids,
