@@ -106,7 +106,7 @@ def test_turn_not_kept_alive_expires_at_the_lease_and_the_router_stops_handing_i
     assert time.monotonic() - t0 < TTL / 2
     invalidated = router.metric("duplexkv_router_entries_invalidated_total")
     unknown = metric(p.get("/metrics").text, "duplexkv_kv_pull_declined_total", reason="unknown")
-    time.sleep(1.0)  # a few renewal periods: the release notice reaches the router
+    time.sleep(2.0)  # several renewal periods: the release notice reaches the router
     text, stats = chat(router.client(R1), messages, conv_id, stream=False)
     assert stats["conversation"] == "invalidated" and stats["prefill"]["pulled_tokens"] == 0
     assert text == oracle(messages)
@@ -127,7 +127,7 @@ def test_deleted_conversation_frees_d_blocks_at_once(router, workers, oracle):
                         "released": True}
     after = retained(d)  # no waiting: released before the DELETE answered
     assert after["released"]["deleted"] == before["released"]["deleted"] + 1
-    assert after["entries"] == before["entries"] - 1
+    assert after["entries"] <= before["entries"] - 1  # (others may expire meanwhile)
     assert after["blocks"] < before["blocks"]
     assert metric(d.get("/metrics").text, "duplexkv_kv_retained_released_total",
                   why="deleted") == after["released"]["deleted"]
