@@ -10,6 +10,7 @@ SCRIPTS = {
     "engine_vs_hf": "prefill and decode of the engine vs HF transformers",
     "router_overhead": "time and throughput the router adds (stub workers)",
     "omp_contention": "a prefill and a decode process sharing the cores",
+    "retention": "pulled-hit rate under memory pressure: oldest-first vs by value vs Belady",
     "soak": "conversations through router + P + D for a given time: RSS of every process",
 }
 

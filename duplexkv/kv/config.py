@@ -21,7 +21,11 @@ class KVTransferConfig:
     kv_load_failure_policy: str = "recompute"
     bidirectional_kv_xfer: bool = False
     kv_recompute_threshold: int = 64
-    decoder_kv_blocks_ttl: float = 480.0
+    decoder_kv_blocks_ttl: float = 480.0  # the cap: D never holds a finished turn longer
+    # D holds a finished turn this long unless the router renews it (its conversation is active)
+    decoder_kv_lease_duration: float = 60.0
+    # under memory pressure, release retained turns by "value" (kv/eviction.py) or "oldest" first
+    decoder_kv_eviction: str = "value"
     kv_lease_duration: float = 30.0
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0  # 0 = any free port
@@ -88,7 +92,11 @@ class KVTransferConfig:
             # other vLLM keys (backends, num_threads, engine_ttl, ...) are accepted and ignored
         cfg = cls(**kw)
         if cfg.kv_recompute_threshold < 0 or cfg.decoder_kv_blocks_ttl <= 0 \
+                or cfg.decoder_kv_lease_duration <= 0 \
                 or cfg.kv_lease_duration <= 0 or cfg.connect_timeout_s <= 0 \
                 or cfg.read_timeout_s <= 0 or cfg.peer_breaker_s < 0 or cfg.peer_max_in_flight < 1:
             raise KVConfigError("thresholds and durations must be positive")
+        if cfg.decoder_kv_eviction not in ("value", "oldest"):
+            raise KVConfigError("kv_connector_extra_config.decoder_kv_eviction must be 'value' "
+                                "or 'oldest'")
         return cfg

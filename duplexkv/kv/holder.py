@@ -2,8 +2,9 @@
 
     kind    created when (on_finish)           renewed by          released by
     lease   P leg finished (do_remote_decode)  heartbeats, claim   reader's done/skip, expiry
-    ttl     D leg finished (do_remote_prefill, claim only          reader's done/skip, expiry,
-            bidirectional on)                                      memory pressure (oldest first)
+    ttl     D leg finished (do_remote_prefill, the router, claim   reader's done/skip, lease
+            bidirectional on)                  (up to the TTL)     expiry, TTL cap, deletion,
+                                                                   memory pressure (by value)
 
 A reader first asks `serve_verify` which leading tokens of its prompt the held blocks contain
 (chained block hashes, then token by token) and thereby claims the entry for the READ; the READ
@@ -11,18 +12,20 @@ itself is served by the transport; its completion notification (`done:<id>:<toke
 reader's notify-only message (`skip:<id>:<token>`) releases the entry, only under the token of a
 claim on that entry (`notif`, `parse_notif`). Engine-thread methods: `hold`,
 `on_notification`, `expire`, `reclaim`, `refs`. Side-channel thread: `serve_verify`,
-`serve_heartbeat` (the retention table is locked); transport threads: `authorize_read` (the
+`serve_heartbeat` (the retention table is locked); HTTP thread: `sync` (the router's renewals,
+deletions and release notices, http/retention_sync.py); transport threads: `authorize_read` (the
 capability check before any block is served, under the same lock).
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
+import secrets
 
 from duplexkv.engine.block_manager import BlockManager
 from duplexkv.engine.kv_transfer import KVTransferParams
 from duplexkv.engine.sequence import Sequence
+from duplexkv.http import retention_sync as rs
 from duplexkv.kv import messages as m
 from duplexkv.kv.auth import SIGNATURE_KEY, KVAuth
 from duplexkv.kv.config import KVTransferConfig
@@ -54,7 +57,9 @@ class Holder:
                  engine_id: str, auth: KVAuth | None = None) -> None:
         self.cfg, self.bm, self.engine_id = cfg, bm, engine_id
         self.auth = auth if auth is not None else KVAuth(None)
-        self.retained = RetentionTable(block_size, seed)
+        self.retained = RetentionTable(block_size, seed,
+                                       lease_s=min(cfg.decoder_kv_lease_duration,
+                                                   cfg.decoder_kv_blocks_ttl))
         self.address: tuple[str, int] = ("", 0)  # the side channel's, set once it listens
         self.counters = {"lease": 0, "ttl": 0}
 
@@ -68,12 +73,15 @@ class Holder:
 
     def hold(self, seq: Sequence, kind: str) -> KVTransferParams:
         """Pin the finished `seq`'s computed blocks under a lease or TTL; the params say where."""
-        duration = self.cfg.kv_lease_duration if kind == "lease" else self.cfg.decoder_kv_blocks_ttl
+        if kind == "lease":
+            duration, cap = self.cfg.kv_lease_duration, None
+        else:  # a renewable lease, never held past the TTL
+            duration, cap = self.cfg.decoder_kv_lease_duration, self.cfg.decoder_kv_blocks_ttl
         n = seq.num_computed_tokens  # the last sampled token has no KV
         blocks = seq.block_table[: self.bm.blocks_needed(n)]
         self.bm.pin(blocks)
-        rid = f"{seq.request_id}-{uuid.uuid4().hex[:8]}"
-        entry = self.retained.add(rid, blocks, seq.all_token_ids[:n], kind, duration)
+        rid = f"{seq.request_id}-{secrets.token_hex(16)}"  # unguessable: it names the entry
+        entry = self.retained.add(rid, blocks, seq.all_token_ids[:n], kind, duration, cap)
         self.counters[kind] += 1
         # P's first token is what a greedy D would compute, if nothing masked P's logits
         sp = seq.params
@@ -86,7 +94,9 @@ class Holder:
             do_remote_decode=kind == "ttl", do_remote_prefill=kind == "lease",
             remote_block_ids=tuple(blocks), remote_engine_id=self.engine_id,
             remote_request_id=rid, remote_host=host, remote_port=port, remote_num_tokens=n,
-            remote_blocks_expiry_time=entry.expiry if kind == "ttl" else None,
+            # the latest the blocks can live (the cap); renewals never pass it, and they may go
+            # sooner (lease not renewed, deletion, pressure): verify's expiry is the live one
+            remote_blocks_expiry_time=entry.cap if kind == "ttl" else None,
             first_token_id=first)
         if self.auth.enabled:  # readers trust nothing else in params (docs/protocol.md, 6)
             p.extra[SIGNATURE_KEY] = self.auth.sign_params(p)
@@ -113,10 +123,11 @@ class Holder:
             self._release(entry)
 
     def reclaim(self, need_blocks: int) -> int:
-        """Release retained entries, oldest unclaimed first, until `need_blocks` are free."""
+        """Release retained entries, lowest value first (eviction.py; oldest first with
+        `decoder_kv_eviction: "oldest"`), until `need_blocks` are free."""
         released = 0
         while self.bm.num_free_blocks < need_blocks:
-            entry = self.retained.pop_oldest_unclaimed()
+            entry = self.retained.pop_for_pressure(self.cfg.decoder_kv_eviction)
             if entry is None:
                 break
             self._release(entry)
@@ -136,6 +147,18 @@ class Holder:
     def authorize_read(self, token: bytes, block_ids: tuple[int, ...]) -> str | None:
         """The transport's READ check: None, or why the READ is refused (retention.py)."""
         return self.retained.authorize_read(token, block_ids)
+
+    # HTTP thread (the router's POST /v1/kv/retention); deleted entries go at the next `expire`
+    def sync(self, req: rs.SyncRequest) -> tuple[rs.SyncReply, bool]:
+        """-> (the reply, whether entries were marked deleted: call `expire` on the engine
+        thread to free them now)."""
+        t = self.retained
+        held, unknown = t.renew(req.renew)
+        deleted = set(t.mark_deleted(req.delete))
+        unknown += [rid for rid in req.delete if rid not in deleted]
+        notices = t.released_since(req.since)
+        return rs.SyncReply(notices.generation, held, unknown, notices.request_ids,
+                            notices.reset), bool(deleted)
 
     def serve_heartbeat(self, req: m.Heartbeat) -> m.HeartbeatReply:
         return m.HeartbeatReply(self.retained.heartbeat(req.request_ids,

@@ -37,8 +37,13 @@ class KVCollector(Collector):
             retained.add_metric([kind], n)
         yield retained
         st = self.c.retained.stats()
+        yield CounterMetricFamily("duplexkv_kv_retained_renewals", "Leases of retained turns "
+                                  "renewed by the router (their conversation was active)",
+                                  value=st["renewals"])
         released = CounterMetricFamily("duplexkv_kv_retained_released",
-                                       "Retained entries released, by why", labels=["why"])
+                                       "Retained entries released, by why (read, notified, "
+                                       "expired: lease ran out, capped: TTL reached, pressure: "
+                                       "evicted by value, deleted, abort)", labels=["why"])
         for why, n in st["released"].items():
             released.add_metric([why], n)
         yield released

@@ -8,6 +8,8 @@ layer, so the hot path stays short).
                        with --discovery, the members and the recent joins and leaves (by name)
     GET  /metrics      Prometheus
     GET  /version      {"version": ...}, as vLLM
+    POST /v1/conversations/{id}/keepalive, DELETE /v1/conversations/{id}
+                       the conversation lifecycle (conversation_routes.py, lifecycle.py)
 
 Client input is bounded before anything else runs: headers over `max_header_bytes` get a 431,
 bodies over `max_request_bytes` a 413 (read no further), and `request.parse_client_request`
@@ -34,9 +36,11 @@ from duplexkv.http.body import read_body
 from duplexkv.http.errors import APIError, model_not_found
 from duplexkv.http.limits import HeaderLimit
 from duplexkv.http.version import version_endpoint
+from duplexkv.router import conversation_routes
 from duplexkv.router.backends import BackendPool, HealthChecker
 from duplexkv.router.config import RouterConfig
 from duplexkv.router.discovery import Discovery
+from duplexkv.router.lifecycle import LeaseKeeper, LifecycleMetrics
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.proxy import Proxy, Relayed
 from duplexkv.router.request import ENDPOINTS, Kind, parse_client_request
@@ -62,6 +66,8 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
     metrics = RouterMetrics()
     state: dict = {}
     discovery = Discovery.configure(cfg, pool, metrics)
+    keeper = LeaseKeeper(None, cfg.worker_headers(), cfg.lease_renew_period_s,
+                         cfg.request_timeout_s, LifecycleMetrics(metrics.registry))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -70,6 +76,9 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
         checker = HealthChecker(pool, upstream.client, cfg.health_interval_s,
                                 cfg.health_timeout_s)
         checker.start()
+        keeper.client = upstream.client
+        state["proxy"].conversations.keeper = keeper
+        keeper.start(lambda: [b.url for b in pool.decode])  # discovery may change the list
         if discovery is not None:
             discovery.start()
         try:
@@ -77,6 +86,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
         finally:
             if discovery is not None:
                 await discovery.stop()
+            await keeper.stop()
             await checker.stop()
             await upstream.aclose()
             await store.close()
@@ -163,7 +173,9 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", prometheus, methods=["GET"]),
-              Route("/version", version_endpoint, methods=["GET"])]
+              Route("/version", version_endpoint, methods=["GET"]),
+              *conversation_routes.routes(store, keeper, cfg.keepalive_s,
+                                          cfg.conversation_ttl_s)]
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(HeaderLimit, max_bytes=cfg.max_header_bytes),
                                 Middleware(APIKeyAuth, keys=cfg.api_keys)],

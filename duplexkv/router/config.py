@@ -47,6 +47,10 @@ class RouterConfig:
     # the store (turns run as misses) for this long after a failure before one call probes it
     store_timeout_s: float = 0.5
     store_breaker_period_s: float = 5.0
+    # conversation lifecycle (lifecycle.py): how often D's leases of active conversations are
+    # renewed (and its release notices fetched), and a keepalive's default length
+    lease_renew_period_s: float = 10.0
+    keepalive_s: float = 60.0
     # API keys (never in a repr or a log): the clients' (none: the router is open and conversation
     # ids are shared by every client), and the one the router sends to the workers (none: no
     # Authorization header on the legs, never the client's)
@@ -82,6 +86,9 @@ class RouterConfig:
             raise ValueError("--max-request-bytes and --max-header-bytes must be >= 1024")
         if self.max_json_depth < 2:
             raise ValueError("--max-json-depth must be >= 2")
+        if self.lease_renew_period_s <= 0 or not 0 < self.keepalive_s <= self.conversation_ttl_s:
+            raise ValueError("--lease-renew-period must be > 0 and --keepalive-seconds in "
+                             "(0, --conversation-ttl]")
         if self.store_timeout_s <= 0 or self.store_breaker_period_s <= 0:
             raise ValueError("--store-timeout and --store-breaker-period must be > 0")
         if not (self.store == "memory" or self.store.startswith(("redis://", "rediss://",

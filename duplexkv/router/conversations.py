@@ -2,6 +2,9 @@
 
     recall     (api key, conversation id) -> the stored entry, taken (single use); no id -> none
     remember   D's params of a finished turn (remote_host fixed up if loopback) -> the store
+    lifecycle  with a `LeaseKeeper` (lifecycle.py): an entry D has released is not handed out
+               (state "invalidated", the turn runs as a miss), a recalled entry's lease is
+               renewed while its turn is in flight, a kept-alive conversation's new entry too
     outages    a failing store costs reuse, never the request: the turn runs as a miss, the
                failure is logged and counted (while the store's breaker is open, calls are
                skipped: counted, logged at debug level only)
@@ -15,6 +18,7 @@ from typing import NamedTuple
 
 from duplexkv.router.breaker import BreakerOpen
 from duplexkv.router.legs import rewrite_remote_host
+from duplexkv.router.lifecycle import LeaseKeeper
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.store import ConversationStore, Entry, conversation_key
 
@@ -24,13 +28,14 @@ log = logging.getLogger("duplexkv.router")
 class Recalled(NamedTuple):
     key: str | None  # None: the request names no conversation
     entry: Entry | None
-    state: str  # none | miss | expired | hit
+    state: str  # none | miss | expired | invalidated | hit
 
 
 class Conversations:
     def __init__(self, store: ConversationStore, metrics: RouterMetrics,
                  rewrite_host: bool = True) -> None:
         self.store, self.metrics, self.rewrite_host = store, metrics, rewrite_host
+        self.keeper: LeaseKeeper | None = None  # set by the app when it starts
 
     async def recall(self, api_key: str | None, conversation_id: str | None,
                      request_id: str) -> Recalled:
@@ -48,17 +53,28 @@ class Conversations:
         if taken.entry is None:
             m.labels("miss").inc()
             return Recalled(key, None, "expired" if taken.expired else "miss")
+        if self.keeper is not None:
+            if self.keeper.is_dropped(taken.entry):
+                self.keeper.metrics.invalidated.inc()
+                m.labels("invalidated").inc()
+                return Recalled(key, None, "invalidated")
+            self.keeper.turn_started(key, taken.entry)
         m.labels("hit").inc()
         return Recalled(key, taken.entry, "hit")
 
     async def remember(self, key: str | None, decode_url: str, params: dict | None,
                        request_id: str) -> None:
         if key is None or not params:
+            if key is not None and self.keeper is not None:
+                self.keeper.turn_finished(key, None)
             return
         if self.rewrite_host:
             params = rewrite_remote_host(params, decode_url)
+        entry = Entry(params, decode_url, time.time())
+        if self.keeper is not None:
+            self.keeper.turn_finished(key, entry)
         try:
-            res = await self.store.put(key, Entry(params, decode_url, time.time()))
+            res = await self.store.put(key, entry)
         except Exception as e:  # noqa: BLE001 - as in recall
             _log_failure(request_id, "put", e)
             self.metrics.store_errors.labels("put").inc()

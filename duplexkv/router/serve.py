@@ -75,6 +75,13 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                    help="the key the router sends to the workers (`Authorization: Bearer KEY` on "
                         f"every leg and /v1/models; default ${WORKER_API_KEY_ENV}, else none: "
                         "no Authorization header, never the client's)")
+    p.add_argument("--lease-renew-period", type=float, default=10.0, metavar="S",
+                   help="every S seconds, renew D's leases on the turns of active conversations "
+                        "and fetch D's release notices; keep it well under D's "
+                        "decoder_kv_lease_duration (default 10; D's lease defaults to 60)")
+    p.add_argument("--keepalive-seconds", type=float, default=60.0, metavar="S",
+                   help="how long POST /v1/conversations/{id}/keepalive keeps a conversation "
+                        "active when its body names no `seconds` (default 60)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run_router)
     return p
@@ -91,6 +98,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         request_timeout_s=args.request_timeout, max_request_bytes=args.max_request_bytes,
         max_header_bytes=args.max_header_bytes, max_json_depth=args.max_json_depth,
         store_timeout_s=args.store_timeout, store_breaker_period_s=args.store_breaker_period,
+        lease_renew_period_s=args.lease_renew_period, keepalive_s=args.keepalive_seconds,
         api_keys=keys_from(args.api_key), worker_api_key=worker_key(args.worker_api_key),
         discovery=discovery.url if discovery is not None else None,
         discovery_interval_s=args.discovery_interval)

@@ -75,6 +75,10 @@ class ConversationStore(ABC):
     @abstractmethod
     async def size(self) -> int: ...
 
+    @abstractmethod
+    async def peek(self, key: str) -> Entry | None:
+        """The live entry, left in place (a keepalive reads where the conversation is held)."""
+
     async def close(self) -> None:
         pass
 
@@ -125,6 +129,10 @@ class MemoryStore(ConversationStore):
 
     async def size(self) -> int:
         return len(self._entries)
+
+    async def peek(self, key: str) -> Entry | None:
+        item = self._entries.get(key)
+        return item[1] if item is not None and item[0] > self._clock() else None
 
 
 # KEYS: entry key, index zset. ARGV: value, ttl ms, now ms, max entries.
@@ -197,6 +205,10 @@ class RedisStore(ConversationStore):
     async def size(self) -> int:
         return int(await self.redis.zcard(self.index))
 
+    async def peek(self, key: str) -> Entry | None:
+        raw = await self.redis.get(self.prefix + key)
+        return None if raw is None else Entry.loads(raw)
+
     async def ping(self) -> None:
         await self.redis.ping()
 
@@ -240,6 +252,9 @@ class GuardedStore(ConversationStore):
 
     async def size(self) -> int:
         return await self._call(self.inner.size)
+
+    async def peek(self, key: str) -> Entry | None:
+        return await self._call(self.inner.peek, key)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -119,6 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from duplexkv.engine.llm_engine import LLMEngine
     from duplexkv.http.uvicorn_server import CleanExitServer as Server
     from duplexkv.server.app import build_app
+    from duplexkv.server import retention_route
     from duplexkv.server.kv_hook import attach_kv_transfer
 
     engine = LLMEngine(config)
@@ -135,6 +136,7 @@ def run_serve(args: argparse.Namespace) -> int:
             return out
 
         app = build_app(aeng, names, health_extra, collectors, args.max_request_bytes, api_keys)
+        retention_route.add_route(app, aeng)
         server = Server(uvicorn.Config(app, host=args.host,
                                        port=args.port, lifespan="off", log_level="warning",
                                        access_log=False, timeout_graceful_shutdown=5))
