@@ -265,6 +265,9 @@ class Proxy:
                         await self.remember(turn, d, relay.params)
                         stored = True
                     yield event
+                    if relay.done and not leg.delivered:  # resumed: [DONE] went out in full
+                        leg.delivered = True
+                        leg.outcome = "upstream_error" if relay.error else "ok"
                     if first_wait is not None and first_wait >= 0:
                         m.overhead.observe(max(0.0, perf() - turn.arrival - turn.upstream_s
                                                - first_wait))
@@ -273,8 +276,14 @@ class Proxy:
                 yield event
             if not stored:
                 await self.remember(turn, d, relay.params)
-            leg.outcome = "upstream_error" if relay.error else "ok"
-        except httpx.HTTPError as e:  # D went away mid-stream: tell the client in the stream
+            if not leg.delivered:  # D closed without [DONE]: the client has all D sent
+                leg.outcome = "upstream_error" if relay.error else "ok"
+        except httpx.HTTPError as e:
+            if leg.delivered:  # the client has its whole answer; only D's tail broke
+                log.info("%s: decode stream from %s broke after [DONE]: %r",
+                         turn.request_id, d.url, e)
+                return
+            # D went away mid-stream: tell the client in the stream
             log.warning("%s: decode stream from %s broke: %r", turn.request_id, d.url, e)
             leg.outcome = "upstream_error"
             m.upstream_errors.labels("decode", "stream").inc()
@@ -303,5 +312,6 @@ class _StreamLeg:
     resp: httpx.Response
     relay: StreamRelay
     headers_at: float
-    outcome: str = "aborted"
+    outcome: str = "aborted"  # until the client has received [DONE] (or D's whole body)
+    delivered: bool = False  # [DONE] was handed to the client's connection
     closed: bool = False
