@@ -60,3 +60,58 @@ def test_stream_outcome_is_ok_once_done_reached_the_client(tmp):
         r.stop()
         p.close()
         d.close()
+
+
+def turn(r, conv_id: str, stream: bool) -> tuple[dict, list[dict]]:
+    """One chat turn through the router -> (kv_stats the client got last, the JSON events)."""
+    headers = {"x-conversation-id": conv_id}
+    if not stream:
+        resp = httpx.post(r.url + "/v1/chat/completions", json=BODY, headers=headers, timeout=30)
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert "kv_transfer_params" not in body
+        return body["kv_stats"], [body]
+    events = []
+    with httpx.stream("POST", r.url + "/v1/chat/completions", headers=headers, timeout=30,
+                      json={**BODY, "stream": True,
+                            "stream_options": {"include_usage": True}}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    assert all("kv_transfer_params" not in e for e in events)
+    with_stats = [e for e in events if "kv_stats" in e]
+    assert with_stats and "usage" in events[-1] and "kv_stats" in events[-1]
+    return with_stats[-1]["kv_stats"], events
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_way_vllm_d_kv_stats_from_usage_and_not_retained(tmp, stream):
+    """A vLLM D without bidirectional transfer returns `kv_transfer_params: null`: kv_stats
+    still tell the token counts (from usage, source marked), the next turn says
+    `not_retained` rather than a bare miss, counted, and the router logs why once per D."""
+    p, d = VllmStub("prefill", cached=16), VllmStub("decode", bidirectional=False, cached=24)
+    r = start_router(tmp / "router.log", [p.url], [d.url], "--health-interval", "600")
+    try:
+        conv_id = uuid.uuid4().hex
+        states = []
+        for _ in range(3):
+            stats, _events = turn(r, conv_id, stream)
+            states.append(stats["conversation"])
+            assert stats["source"] == {"prefill": "usage", "decode": "usage"}
+            assert stats["prefill"] == {"prompt_tokens": 40, "completion_tokens": 1,
+                                        "cached_tokens": 16}
+            assert stats["decode"] == {"prompt_tokens": 40, "completion_tokens": 6,
+                                       "cached_tokens": 24}
+            assert stats["retained"] is False
+            assert stats["prefill_done_ms"] > 0
+        assert states == ["miss", "not_retained", "not_retained"]
+        assert all(s["kv_transfer_params"]["remote_engine_id"] is None for s in p.seen)
+        assert r.metric("duplexkv_router_conversations_total", event="not_retained") == 3
+        assert r.metric("duplexkv_router_conversations_total", event="stored") == 0
+        assert r.log.read_text().count("returned no kv_transfer_params") == 1
+    finally:
+        r.stop()
+        p.close()
+        d.close()
+

@@ -11,7 +11,8 @@ Where the shapes come from (vLLM's source, read for this purpose):
   decoder_kv_blocks_ttl` on D: D's monotonic clock, not wall time; None on P). A one-way D
   (no bidirectional transfer) returns `null`.
 - response bodies: vllm/entrypoints/openai/serving_chat.py: `usage.prompt_tokens_details.cached_tokens`
-  (with --enable-prompt-tokens-details; else `prompt_tokens_details` is null), the non-stream
+  (only with --enable-prompt-tokens-details and a non-zero count; else
+  `prompt_tokens_details` is null), the non-stream
   body's top-level `kv_transfer_params`; streaming: the finish chunk (the one with a
   `finish_reason`) carries `kv_transfer_params`, an `include_usage` chunk with `choices: []`
   follows, then `data: [DONE]`.
@@ -81,8 +82,9 @@ class VllmStub:
     its connection open that long after `[DONE]` before closing."""
 
     def __init__(self, role: str, bidirectional: bool = True, cached: int | None = 16,
-                 hold_after_done_s: float = 0.0) -> None:
+                 hold_after_done_s: float = 0.0, d_ttl_s: float | None = None) -> None:
         self.role, self.bidirectional, self.cached = role, bidirectional, cached
+        self.d_ttl_s = d_ttl_s  # set: D's expiry = its perf_counter() + this, as vLLM's
         self.hold_after_done_s = hold_after_done_s
         self.seen: list[dict] = []
         stub = self
@@ -113,6 +115,10 @@ class VllmStub:
                                               copy.deepcopy(P_PARAMS)))
                     return
                 params = copy.deepcopy(D_PARAMS) if stub.bidirectional else None
+                if params is not None and stub.d_ttl_s is not None:
+                    params["remote_blocks_expiry_time"] = time.perf_counter() + stub.d_ttl_s
+                if params is not None:  # one entry per turn, as vLLM's request ids
+                    params["remote_request_id"] = f"chatcmpl-d-{len(stub.seen)}"
                 if not body.get("stream"):
                     self._json(200, chat_json("The answer is 42.", "length",
                                               usage(40, 6, stub.cached), params))

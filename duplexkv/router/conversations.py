@@ -1,7 +1,10 @@
 """Conversation state as the router uses it: which entry a turn replays, and what it keeps.
 
     recall     (api key, conversation id) -> the stored entry, taken (single use); no id -> none
-    remember   D's params of a finished turn (remote_host fixed up if loopback) -> the store
+    remember   D's params of a finished turn (remote_host fixed up if loopback) -> the store;
+               a D that returned none (e.g. vLLM without bidirectional KV transfer) leaves a
+               marker with empty params, so that the next turn reports `not_retained` instead of
+               a bare `miss` (counted; logged once per D worker: it is the worker's setting)
     outages    a failing store costs reuse, never the request: the turn runs as a miss, the
                failure is logged and counted (while the store's breaker is open, calls are
                skipped: counted, logged at debug level only)
@@ -24,13 +27,14 @@ log = logging.getLogger("duplexkv.router")
 class Recalled(NamedTuple):
     key: str | None  # None: the request names no conversation
     entry: Entry | None
-    state: str  # none | miss | expired | hit
+    state: str  # none | miss | expired | hit | not_retained
 
 
 class Conversations:
     def __init__(self, store: ConversationStore, metrics: RouterMetrics,
                  rewrite_host: bool = True) -> None:
         self.store, self.metrics, self.rewrite_host = store, metrics, rewrite_host
+        self._warned: set[str] = set()  # D workers already logged as not retaining
 
     async def recall(self, api_key: str | None, conversation_id: str | None,
                      request_id: str) -> Recalled:
@@ -48,14 +52,26 @@ class Conversations:
         if taken.entry is None:
             m.labels("miss").inc()
             return Recalled(key, None, "expired" if taken.expired else "miss")
+        if not taken.entry.params:  # D kept nothing last turn: a miss, and why
+            m.labels("miss").inc()
+            return Recalled(key, None, "not_retained")
         m.labels("hit").inc()
         return Recalled(key, taken.entry, "hit")
 
     async def remember(self, key: str | None, decode_url: str, params: dict | None,
                        request_id: str) -> None:
-        if key is None or not params:
+        if key is None:
             return
-        if self.rewrite_host:
+        if not params:
+            params = {}
+            self.metrics.conversations.labels("not_retained").inc()
+            if decode_url not in self._warned:
+                self._warned.add(decode_url)
+                log.warning("decode worker %s returned no kv_transfer_params: it keeps no KV "
+                            "for the next turn (a vLLM D needs bidirectional KV transfer), so "
+                            "its conversations run as plain P/D (one-way transfer) every turn",
+                            decode_url)
+        elif self.rewrite_host:
             params = rewrite_remote_host(params, decode_url)
         try:
             res = await self.store.put(key, Entry(params, decode_url, time.time()))
@@ -64,7 +80,8 @@ class Conversations:
             self.metrics.store_errors.labels("put").inc()
             return
         m = self.metrics.conversations
-        m.labels("stored").inc()
+        if params:
+            m.labels("stored").inc()
         m.labels("expired").inc(res.expired)
         m.labels("evicted").inc(res.evicted)
 

@@ -33,7 +33,7 @@ class RouterMetrics:
             ["endpoint", "outcome"], **m)
         self.conversations = Counter(
             "duplexkv_router_conversations", "Conversation entries by event (stored, hit, miss, "
-            "expired, evicted)", ["event"], **m)
+            "expired, evicted; not_retained = D returned no params to keep for the next turn)", ["event"], **m)
         self.reuse = Counter(
             "duplexkv_router_reuse", "Replayed turns by the outcome P reported (pulled, "
             "threshold, mismatch, expired, failed, ...; retried = P failed and the turn was "
@@ -55,7 +55,7 @@ class RouterMetrics:
                                          "Requests in flight per worker", ["role", "worker"], **m)
         self.stored = Gauge("duplexkv_router_conversations_stored",
                             "Conversation entries in the store", **m)
-        for event in ("stored", "hit", "miss", "expired", "evicted"):
+        for event in ("stored", "hit", "miss", "expired", "evicted", "not_retained"):
             self.conversations.labels(event)
         for outcome in (*REUSE_OUTCOMES, "other", "retried"):
             self.reuse.labels(outcome)

@@ -37,6 +37,7 @@ from duplexkv.router.legs import (
     prefill_body,
     replay_params,
     rewrite_remote_host,
+    worker_stats,
 )
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.request import ClientRequest
@@ -190,7 +191,7 @@ class Proxy:
 
     def _prefilled(self, turn: Turn, p: Backend, answer: dict, replayed: bool) -> None:
         stats = turn.stats
-        stats.prefill = answer.get("kv_stats") if isinstance(answer.get("kv_stats"), dict) else None
+        stats.prefill, stats.prefill_source = worker_stats(answer)
         stats.prefill_done_ms = round((perf() - turn.arrival) * 1e3, 3)
         params = answer.get("kv_transfer_params")
         turn.p_params = params if isinstance(params, dict) else None
