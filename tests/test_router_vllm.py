@@ -115,3 +115,75 @@ def test_one_way_vllm_d_kv_stats_from_usage_and_not_retained(tmp, stream):
         p.close()
         d.close()
 
+
+def replayed(p: VllmStub) -> list[dict]:
+    return [s["kv_transfer_params"] for s in p.seen]
+
+
+def test_bidirectional_vllm_params_are_stored_and_replayed_opaquely(tmp):
+    """A bidirectional vLLM D's params (non-stream answer, then a stream's finish chunk) reach
+    the next turn's P leg as they were, every key kept (block ids per KV-cache group, D's
+    expiry, tp_size, ...), only the two booleans set for a P request; P's params reach D as
+    they were; clients never see either."""
+    p, d = VllmStub("prefill"), VllmStub("decode", d_ttl_s=300.0)
+    r = start_router(tmp / "router.log", [p.url], [d.url], "--health-interval", "600")
+    try:
+        conv_id = uuid.uuid4().hex
+        states = []
+        for stream in (False, True, False):
+            stats, _ = turn(r, conv_id, stream)
+            states.append(stats["conversation"])
+            assert stats["retained"] is True
+        assert states == ["miss", "hit", "hit"]
+        sent = replayed(p)
+        assert sent[0]["remote_engine_id"] is None  # the first turn is a miss
+        for i, got in enumerate(sent[1:]):
+            want = {**D_PARAMS, "do_remote_decode": True, "do_remote_prefill": False,
+                    "remote_request_id": f"chatcmpl-d-{i + 1}"}
+            want["remote_blocks_expiry_time"] = got["remote_blocks_expiry_time"]
+            assert got == want
+            assert isinstance(got["remote_blocks_expiry_time"], float)
+        assert all(s["kv_transfer_params"] == P_PARAMS for s in d.seen)
+        assert r.metric("duplexkv_router_conversations_total", event="stored") == 3
+        assert r.metric("duplexkv_router_conversations_total", event="not_retained") == 0
+    finally:
+        r.stop()
+        p.close()
+        d.close()
+
+
+def test_d_expiry_on_this_host_is_honoured(tmp):
+    """D on this host says its blocks expire within the margin: the next turn does not replay
+    them (`expired`, a plain miss on the P leg), although the router's own TTL has not run."""
+    p, d = VllmStub("prefill"), VllmStub("decode", d_ttl_s=0.5)
+    r = start_router(tmp / "router.log", [p.url], [d.url], "--health-interval", "600")
+    try:
+        conv_id = uuid.uuid4().hex
+        states = [turn(r, conv_id, stream)[0]["conversation"] for stream in (False, True)]
+        assert states == ["miss", "expired"]
+        assert [s["remote_engine_id"] for s in replayed(p)] == [None, None]
+        assert r.metric("duplexkv_router_conversations_total", event="expired") == 1
+    finally:
+        r.stop()
+        p.close()
+        d.close()
+
+
+def test_mixed_p_and_d_servers_run_as_plain_pd_and_say_so(tmp):
+    """A P that is not the same kind of server as the D holding the conversation (by
+    /v1/models `owned_by`: one of ours beside a vLLM) cannot read that D's blocks: the turn
+    runs as a miss (`mixed`), counted, and the router logs the pair once."""
+    p, d = VllmStub("prefill", owned_by="duplexkv"), VllmStub("decode", d_ttl_s=300.0)
+    r = start_router(tmp / "router.log", [p.url], [d.url], "--health-interval", "600")
+    try:
+        assert wait_for(lambda: r.get("/v1/models").status_code == 200)
+        conv_id = uuid.uuid4().hex
+        states = [turn(r, conv_id, stream)[0]["conversation"] for stream in (False, True, False)]
+        assert states == ["miss", "mixed", "mixed"]
+        assert [s["remote_engine_id"] for s in replayed(p)] == [None, None, None]
+        assert r.metric("duplexkv_router_reuse_total", outcome="mixed") == 2
+        assert r.log.read_text().count("cannot exchange KV") == 1
+    finally:
+        r.stop()
+        p.close()
+        d.close()

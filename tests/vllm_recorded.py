@@ -82,7 +82,9 @@ class VllmStub:
     its connection open that long after `[DONE]` before closing."""
 
     def __init__(self, role: str, bidirectional: bool = True, cached: int | None = 16,
-                 hold_after_done_s: float = 0.0, d_ttl_s: float | None = None) -> None:
+                 hold_after_done_s: float = 0.0, d_ttl_s: float | None = None,
+                 owned_by: str = "vllm") -> None:
+        self.owned_by = owned_by  # /v1/models `owned_by`: what the router takes it for
         self.role, self.bidirectional, self.cached = role, bidirectional, cached
         self.d_ttl_s = d_ttl_s  # set: D's expiry = its perf_counter() + this, as vLLM's
         self.hold_after_done_s = hold_after_done_s
@@ -103,7 +105,7 @@ class VllmStub:
             def do_GET(self):  # noqa: N802
                 if self.path == "/v1/models":
                     self._json(200, {"object": "list", "data": [{"id": MODEL, "object": "model",
-                                                                 "owned_by": "vllm"}]})
+                                                                 "owned_by": stub.owned_by}]})
                 else:
                     self._json(200, {})
 

@@ -5,6 +5,9 @@
                a D that returned none (e.g. vLLM without bidirectional KV transfer) leaves a
                marker with empty params, so that the next turn reports `not_retained` instead of
                a bare `miss` (counted; logged once per D worker: it is the worker's setting)
+    expiry     D's `remote_blocks_expiry_time` (D's perf_counter clock) is honoured when D is
+               on this host (same monotonic clock): an entry within EXPIRY_MARGIN_S of it is
+               not replayed (`expired`); for another host only the router's TTL applies
     outages    a failing store costs reuse, never the request: the turn runs as a miss, the
                failure is logged and counted (while the store's breaker is open, calls are
                skipped: counted, logged at debug level only)
@@ -13,15 +16,17 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import NamedTuple
 
 from duplexkv.router.breaker import BreakerOpen
-from duplexkv.router.legs import rewrite_remote_host
+from duplexkv.router.legs import rewrite_remote_host, shares_our_clock
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.store import ConversationStore, Entry, conversation_key
 
 log = logging.getLogger("duplexkv.router")
+EXPIRY_MARGIN_S = 1.0  # D's blocks must outlive the P leg's read by this much
 
 
 class Recalled(NamedTuple):
@@ -55,6 +60,10 @@ class Conversations:
         if not taken.entry.params:  # D kept nothing last turn: a miss, and why
             m.labels("miss").inc()
             return Recalled(key, None, "not_retained")
+        if _past_d_expiry(taken.entry):
+            m.labels("expired").inc()
+            m.labels("miss").inc()
+            return Recalled(key, None, "expired")
         m.labels("hit").inc()
         return Recalled(key, taken.entry, "hit")
 
@@ -84,6 +93,14 @@ class Conversations:
             m.labels("stored").inc()
         m.labels("expired").inc(res.expired)
         m.labels("evicted").inc(res.evicted)
+
+
+def _past_d_expiry(entry: Entry) -> bool:
+    expiry = entry.params.get("remote_blocks_expiry_time")
+    if (not isinstance(expiry, (int, float)) or isinstance(expiry, bool)
+            or not math.isfinite(expiry) or not shares_our_clock(entry.decode_url)):
+        return False
+    return expiry - EXPIRY_MARGIN_S <= time.perf_counter()
 
 
 def _log_failure(request_id: str, op: str, e: Exception) -> None:

@@ -67,6 +67,13 @@ def rewrite_remote_host(params: dict | None, worker_url: str) -> dict | None:
     return params
 
 
+def shares_our_clock(worker_url: str) -> bool:
+    """A worker on this host (loopback URL) reads the same monotonic clock as the router's
+    `time.perf_counter` (Linux CLOCK_MONOTONIC), so its `remote_blocks_expiry_time` can be
+    compared with ours; another host's cannot."""
+    return _is_loopback(_url_host(worker_url))
+
+
 @lru_cache(maxsize=256)
 def _url_host(url: str) -> str | None:
     return urlsplit(url).hostname
@@ -84,7 +91,7 @@ class TurnStats:
     completion and `prompt_tokens_details.cached_tokens` (null when the worker does not report
     it); `source` says which of the two each leg's object came from."""
 
-    conversation: str = "none"  # none | miss | hit | expired | retried | not_retained
+    conversation: str = "none"  # none | miss | hit | expired | retried | not_retained | mixed
     prefill: dict | None = None  # P's kv_stats (local_hit / pulled-from-D / computed) or usage
     decode: dict | None = None  # D's kv_stats (local_hit / pulled-from-P tokens) or usage
     prefill_done_ms: float | None = None  # router arrival -> P leg answered

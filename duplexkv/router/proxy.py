@@ -89,6 +89,7 @@ class Proxy:
         self.cfg, self.pool, self.metrics, self.upstream = cfg, pool, metrics, upstream
         self.worker_headers = cfg.worker_headers()  # never the client's Authorization
         self.conversations = Conversations(store, metrics, cfg.rewrite_remote_host)
+        self._mixed_logged: set[tuple[str, str]] = set()
 
     def new_turn(self, req: ClientRequest, arrival: float) -> Turn:
         return Turn(req, arrival, req.request_id or uuid.uuid4().hex)
@@ -157,6 +158,8 @@ class Proxy:
             p = self.pool.choose_prefill(tried)
             if p is None:
                 break
+            if replaying and self._mixed(p, turn.entry.decode_url):
+                params, replaying, stats.conversation = miss_params(), False, "mixed"
             answer, status, resp = None, 0, None
             p.outstanding += 1
             try:
@@ -188,6 +191,20 @@ class Proxy:
                               resp.headers.get("content-type", "application/json"))
             tried.add(p)
         raise no_worker("prefill", last)
+
+    def _mixed(self, p: Backend, decode_url: str) -> bool:
+        """P and the D holding the conversation are different servers (our worker and vLLM):
+        neither reads the other's KV, so the turn runs as plain P/D; logged once per pair."""
+        d = self.pool.by_url.get(("decode", decode_url))
+        if d is None or p.kind is None or d.kind is None or p.kind == d.kind:
+            return False
+        self.metrics.reuse.labels("mixed").inc()
+        if (p.name, d.name) not in self._mixed_logged:
+            self._mixed_logged.add((p.name, d.name))
+            log.warning("%s is %s and %s is %s: they cannot exchange KV, so conversations "
+                        "held on %s run as plain P/D on %s", p.name, p.kind, d.name, d.kind,
+                        d.name, p.name)
+        return True
 
     def _prefilled(self, turn: Turn, p: Backend, answer: dict, replayed: bool) -> None:
         stats = turn.stats
