@@ -42,7 +42,7 @@ from duplexkv.router.legs import (
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.request import ClientRequest
 from duplexkv.router.store import ConversationStore, Entry
-from duplexkv.router.stream import StreamRelay
+from duplexkv.router.stream import DONE, StreamRelay
 from duplexkv.router.upstream import Upstream
 
 log = logging.getLogger("duplexkv.router")
@@ -283,7 +283,7 @@ class Proxy:
                         await self.remember(turn, d, relay.params)
                         stored = True
                     yield event
-                    if relay.done and not leg.delivered:  # resumed: [DONE] went out in full
+                    if not leg.delivered and event.startswith(DONE):  # resumed: it went out
                         leg.delivered = True
                         leg.outcome = "upstream_error" if relay.error else "ok"
                     if first_wait is not None and first_wait >= 0:
