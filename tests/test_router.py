@@ -703,7 +703,9 @@ def test_stream_relay_captures_params_and_rewrites_only_what_it_must():
     assert "kv_transfer_params" not in got[2] and "kv_transfer_params" not in got[3]
     assert got[2]["kv_stats"] == {"conversation": "hit", "prefill": {"pulled_tokens": 7},
                                   "decode": {"pulled_tokens": 3}, "prefill_done_ms": None,
-                                  "first_token_ms": 5.0}
+                                  "first_token_ms": 5.0,
+                                  "source": {"prefill": None, "decode": "kv_stats"},
+                                  "retained": True}
     assert relay.params == {"remote_engine_id": "d1"}  # the last non-null value
 
     # a D without kv_stats (e.g. vLLM): the finish chunk still carries the combined stats

@@ -37,6 +37,7 @@ class Backend:
     last_error: str = ""
     last_check: float = 0.0
     models: tuple[str, ...] = ()
+    kind: str | None = None  # who serves it (/v1/models `owned_by`: "duplexkv", "vllm", ...)
 
     def mark_down(self, reason: str) -> None:
         if self.healthy:
@@ -173,5 +174,7 @@ class HealthChecker:
             data = r.json().get("data") if r.status_code == 200 else None
             if isinstance(data, list):
                 b.models = tuple(m["id"] for m in data if isinstance(m, dict) and "id" in m)
+                owner = data[0].get("owned_by") if data and isinstance(data[0], dict) else None
+                b.kind = owner[:32] if isinstance(owner, str) and owner else None
         except (httpx.HTTPError, ValueError):
             pass

@@ -1,10 +1,16 @@
 """Conversation state as the router uses it: which entry a turn replays, and what it keeps.
 
     recall     (api key, conversation id) -> the stored entry, taken (single use); no id -> none
-    remember   D's params of a finished turn (remote_host fixed up if loopback) -> the store
+    remember   D's params of a finished turn (remote_host fixed up if loopback) -> the store;
+               a D that returned none (e.g. vLLM without bidirectional KV transfer) leaves a
+               marker with empty params, so that the next turn reports `not_retained` instead of
+               a bare `miss` (counted; logged once per D worker: it is the worker's setting)
     lifecycle  with a `LeaseKeeper` (lifecycle.py): an entry D has released is not handed out
                (state "invalidated", the turn runs as a miss), a recalled entry's lease is
                renewed while its turn is in flight, a kept-alive conversation's new entry too
+    expiry     D's `remote_blocks_expiry_time` (D's perf_counter clock) is honoured when D is
+               on this host (same monotonic clock): an entry within EXPIRY_MARGIN_S of it is
+               not replayed (`expired`); for another host only the router's TTL applies
     outages    a failing store costs reuse, never the request: the turn runs as a miss, the
                failure is logged and counted (while the store's breaker is open, calls are
                skipped: counted, logged at debug level only)
@@ -13,22 +19,24 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import NamedTuple
 
 from duplexkv.router.breaker import BreakerOpen
-from duplexkv.router.legs import rewrite_remote_host
+from duplexkv.router.legs import rewrite_remote_host, shares_our_clock
 from duplexkv.router.lifecycle import LeaseKeeper
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.store import ConversationStore, Entry, conversation_key
 
 log = logging.getLogger("duplexkv.router")
+EXPIRY_MARGIN_S = 1.0  # D's blocks must outlive the P leg's read by this much
 
 
 class Recalled(NamedTuple):
     key: str | None  # None: the request names no conversation
     entry: Entry | None
-    state: str  # none | miss | expired | invalidated | hit
+    state: str  # none | miss | expired | invalidated | hit | not_retained
 
 
 class Conversations:
@@ -36,6 +44,7 @@ class Conversations:
                  rewrite_host: bool = True) -> None:
         self.store, self.metrics, self.rewrite_host = store, metrics, rewrite_host
         self.keeper: LeaseKeeper | None = None  # set by the app when it starts
+        self._warned: set[str] = set()  # D workers already logged as not retaining
 
     async def recall(self, api_key: str | None, conversation_id: str | None,
                      request_id: str) -> Recalled:
@@ -53,6 +62,13 @@ class Conversations:
         if taken.entry is None:
             m.labels("miss").inc()
             return Recalled(key, None, "expired" if taken.expired else "miss")
+        if not taken.entry.params:  # D kept nothing last turn: a miss, and why
+            m.labels("miss").inc()
+            return Recalled(key, None, "not_retained")
+        if _past_d_expiry(taken.entry):
+            m.labels("expired").inc()
+            m.labels("miss").inc()
+            return Recalled(key, None, "expired")
         if self.keeper is not None:
             if self.keeper.is_dropped(taken.entry):
                 self.keeper.metrics.invalidated.inc()
@@ -64,14 +80,23 @@ class Conversations:
 
     async def remember(self, key: str | None, decode_url: str, params: dict | None,
                        request_id: str) -> None:
-        if key is None or not params:
-            if key is not None and self.keeper is not None:
-                self.keeper.turn_finished(key, None)
+        if key is None:
             return
-        if self.rewrite_host:
+        if not params:
+            if self.keeper is not None:
+                self.keeper.turn_finished(key, None)
+            params = {}
+            self.metrics.conversations.labels("not_retained").inc()
+            if decode_url not in self._warned:
+                self._warned.add(decode_url)
+                log.warning("decode worker %s returned no kv_transfer_params: it keeps no KV "
+                            "for the next turn (a vLLM D needs bidirectional KV transfer), so "
+                            "its conversations run as plain P/D (one-way transfer) every turn",
+                            decode_url)
+        elif self.rewrite_host:
             params = rewrite_remote_host(params, decode_url)
         entry = Entry(params, decode_url, time.time())
-        if self.keeper is not None:
+        if params and self.keeper is not None:
             self.keeper.turn_finished(key, entry)
         try:
             res = await self.store.put(key, entry)
@@ -80,9 +105,18 @@ class Conversations:
             self.metrics.store_errors.labels("put").inc()
             return
         m = self.metrics.conversations
-        m.labels("stored").inc()
+        if params:
+            m.labels("stored").inc()
         m.labels("expired").inc(res.expired)
         m.labels("evicted").inc(res.evicted)
+
+
+def _past_d_expiry(entry: Entry) -> bool:
+    expiry = entry.params.get("remote_blocks_expiry_time")
+    if (not isinstance(expiry, (int, float)) or isinstance(expiry, bool)
+            or not math.isfinite(expiry) or not shares_our_clock(entry.decode_url)):
+        return False
+    return expiry - EXPIRY_MARGIN_S <= time.perf_counter()
 
 
 def _log_failure(request_id: str, op: str, e: Exception) -> None:

@@ -67,6 +67,13 @@ def rewrite_remote_host(params: dict | None, worker_url: str) -> dict | None:
     return params
 
 
+def shares_our_clock(worker_url: str) -> bool:
+    """A worker on this host (loopback URL) reads the same monotonic clock as the router's
+    `time.perf_counter` (Linux CLOCK_MONOTONIC), so its `remote_blocks_expiry_time` can be
+    compared with ours; another host's cannot."""
+    return _is_loopback(_url_host(worker_url))
+
+
 @lru_cache(maxsize=256)
 def _url_host(url: str) -> str | None:
     return urlsplit(url).hostname
@@ -78,24 +85,58 @@ def dumps(obj: dict) -> bytes:
 
 @dataclass(slots=True)
 class TurnStats:
-    """What the client sees as `kv_stats`: each worker's own report plus the router's view."""
+    """What the client sees as `kv_stats`: each worker's own report plus the router's view.
 
-    conversation: str = "none"  # none | miss | hit | expired | retried (hit, P failed, miss)
-    prefill: dict | None = None  # P's kv_stats: local_hit / pulled-from-D / computed tokens
-    decode: dict | None = None  # D's kv_stats: local_hit / pulled-from-P tokens
+    A worker that sends no `kv_stats` (vLLM) is described by its `usage` instead: prompt,
+    completion and `prompt_tokens_details.cached_tokens` (null when the worker does not report
+    it); `source` says which of the two each leg's object came from."""
+
+    conversation: str = "none"  # none | miss | hit | expired | retried | not_retained | mixed
+    prefill: dict | None = None  # P's kv_stats (local_hit / pulled-from-D / computed) or usage
+    decode: dict | None = None  # D's kv_stats (local_hit / pulled-from-P tokens) or usage
     prefill_done_ms: float | None = None  # router arrival -> P leg answered
     first_token_ms: float | None = None  # router arrival -> first token sent (streaming)
+    prefill_source: str | None = None  # kv_stats | usage | None (the worker told nothing)
+    decode_source: str | None = None
+    retained: bool | None = None  # D returned params for the next turn (None: not known yet)
 
     def as_dict(self) -> dict:
         return {"conversation": self.conversation, "prefill": self.prefill,
                 "decode": self.decode, "prefill_done_ms": self.prefill_done_ms,
-                "first_token_ms": self.first_token_ms}
+                "first_token_ms": self.first_token_ms,
+                "source": {"prefill": self.prefill_source, "decode": self.decode_source},
+                "retained": self.retained}
+
+
+def _count(v) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def usage_stats(usage: dict) -> dict:
+    """An OpenAI/vLLM `usage` object -> the token counts kv_stats reports (typed, bounded)."""
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return {"prompt_tokens": _count(usage.get("prompt_tokens")),
+            "completion_tokens": _count(usage.get("completion_tokens")),
+            "cached_tokens": _count(cached)}
+
+
+def worker_stats(answer: dict) -> tuple[dict | None, str | None]:
+    """A worker's answer (or chunk) -> (its stats, their source): its own kv_stats, else usage."""
+    ks = answer.get("kv_stats")
+    if isinstance(ks, dict):
+        return ks, "kv_stats"
+    usage = answer.get("usage")
+    if isinstance(usage, dict):
+        return usage_stats(usage), "usage"
+    return None, None
 
 
 def finish_json(d_json: dict, stats: TurnStats) -> tuple[dict, dict | None]:
     """D's non-stream answer -> (the client's answer, D's params)."""
     params = d_json.pop("kv_transfer_params", None)
-    d_stats = d_json.get("kv_stats")
-    stats.decode = d_stats if isinstance(d_stats, dict) else None
+    params = params if isinstance(params, dict) and params else None
+    stats.decode, stats.decode_source = worker_stats(d_json)
+    stats.retained = params is not None
     d_json["kv_stats"] = stats.as_dict()
-    return d_json, params if isinstance(params, dict) else None
+    return d_json, params

@@ -33,11 +33,11 @@ class RouterMetrics:
             ["endpoint", "outcome"], **m)
         self.conversations = Counter(
             "duplexkv_router_conversations", "Conversation entries by event (stored, hit, miss, "
-            "expired, evicted)", ["event"], **m)
+            "expired, evicted; not_retained = D returned no params to keep for the next turn)", ["event"], **m)
         self.reuse = Counter(
             "duplexkv_router_reuse", "Replayed turns by the outcome P reported (pulled, "
             "threshold, mismatch, expired, failed, ...; retried = P failed and the turn was "
-            "retried as a miss)", ["outcome"], **m)
+            "retried as a miss; mixed = P and D are different servers, run as a miss)", ["outcome"], **m)
         self.store_errors = Counter("duplexkv_router_store_errors",
                                     "Conversation store operations that failed", ["op"], **m)
         self.upstream_errors = Counter(
@@ -55,9 +55,9 @@ class RouterMetrics:
                                          "Requests in flight per worker", ["role", "worker"], **m)
         self.stored = Gauge("duplexkv_router_conversations_stored",
                             "Conversation entries in the store", **m)
-        for event in ("stored", "hit", "miss", "expired", "evicted"):
+        for event in ("stored", "hit", "miss", "expired", "evicted", "not_retained"):
             self.conversations.labels(event)
-        for outcome in (*REUSE_OUTCOMES, "other", "retried"):
+        for outcome in (*REUSE_OUTCOMES, "other", "retried", "mixed"):
             self.reuse.labels(outcome)
 
     def reuse_outcome(self, p_stats: dict | None) -> None:

@@ -37,11 +37,12 @@ from duplexkv.router.legs import (
     prefill_body,
     replay_params,
     rewrite_remote_host,
+    worker_stats,
 )
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.request import ClientRequest
 from duplexkv.router.store import ConversationStore, Entry
-from duplexkv.router.stream import StreamRelay
+from duplexkv.router.stream import DONE, StreamRelay
 from duplexkv.router.upstream import Upstream
 
 log = logging.getLogger("duplexkv.router")
@@ -88,6 +89,7 @@ class Proxy:
         self.cfg, self.pool, self.metrics, self.upstream = cfg, pool, metrics, upstream
         self.worker_headers = cfg.worker_headers()  # never the client's Authorization
         self.conversations = Conversations(store, metrics, cfg.rewrite_remote_host)
+        self._mixed_logged: set[tuple[str, str]] = set()
 
     def new_turn(self, req: ClientRequest, arrival: float) -> Turn:
         return Turn(req, arrival, req.request_id or uuid.uuid4().hex)
@@ -156,6 +158,8 @@ class Proxy:
             p = self.pool.choose_prefill(tried)
             if p is None:
                 break
+            if replaying and self._mixed(p, turn.entry.decode_url):
+                params, replaying, stats.conversation = miss_params(), False, "mixed"
             answer, status, resp = None, 0, None
             p.outstanding += 1
             try:
@@ -188,9 +192,23 @@ class Proxy:
             tried.add(p)
         raise no_worker("prefill", last)
 
+    def _mixed(self, p: Backend, decode_url: str) -> bool:
+        """P and the D holding the conversation are different servers (our worker and vLLM):
+        neither reads the other's KV, so the turn runs as plain P/D; logged once per pair."""
+        d = self.pool.by_url.get(("decode", decode_url))
+        if d is None or p.kind is None or d.kind is None or p.kind == d.kind:
+            return False
+        self.metrics.reuse.labels("mixed").inc()
+        if (p.name, d.name) not in self._mixed_logged:
+            self._mixed_logged.add((p.name, d.name))
+            log.warning("%s is %s and %s is %s: they cannot exchange KV, so conversations "
+                        "held on %s run as plain P/D on %s", p.name, p.kind, d.name, d.kind,
+                        d.name, p.name)
+        return True
+
     def _prefilled(self, turn: Turn, p: Backend, answer: dict, replayed: bool) -> None:
         stats = turn.stats
-        stats.prefill = answer.get("kv_stats") if isinstance(answer.get("kv_stats"), dict) else None
+        stats.prefill, stats.prefill_source = worker_stats(answer)
         stats.prefill_done_ms = round((perf() - turn.arrival) * 1e3, 3)
         params = answer.get("kv_transfer_params")
         turn.p_params = params if isinstance(params, dict) else None
@@ -265,6 +283,9 @@ class Proxy:
                         await self.remember(turn, d, relay.params)
                         stored = True
                     yield event
+                    if not leg.delivered and event.startswith(DONE):  # resumed: it went out
+                        leg.delivered = True
+                        leg.outcome = "upstream_error" if relay.error else "ok"
                     if first_wait is not None and first_wait >= 0:
                         m.overhead.observe(max(0.0, perf() - turn.arrival - turn.upstream_s
                                                - first_wait))
@@ -273,8 +294,14 @@ class Proxy:
                 yield event
             if not stored:
                 await self.remember(turn, d, relay.params)
-            leg.outcome = "upstream_error" if relay.error else "ok"
-        except httpx.HTTPError as e:  # D went away mid-stream: tell the client in the stream
+            if not leg.delivered:  # D closed without [DONE]: the client has all D sent
+                leg.outcome = "upstream_error" if relay.error else "ok"
+        except httpx.HTTPError as e:
+            if leg.delivered:  # the client has its whole answer; only D's tail broke
+                log.info("%s: decode stream from %s broke after [DONE]: %r",
+                         turn.request_id, d.url, e)
+                return
+            # D went away mid-stream: tell the client in the stream
             log.warning("%s: decode stream from %s broke: %r", turn.request_id, d.url, e)
             leg.outcome = "upstream_error"
             m.upstream_errors.labels("decode", "stream").inc()
@@ -303,5 +330,6 @@ class _StreamLeg:
     resp: httpx.Response
     relay: StreamRelay
     headers_at: float
-    outcome: str = "aborted"
+    outcome: str = "aborted"  # until the client has received [DONE] (or D's whole body)
+    delivered: bool = False  # [DONE] was handed to the client's connection
     closed: bool = False

@@ -3,7 +3,8 @@ its terminating blank line arrives).
 
 Every event is scanned for `kv_transfer_params` (the last non-null one is kept: vLLM puts it on
 the finish chunk, others on a trailing chunk) and the key is removed; D's `kv_stats` is replaced
-by the combined one, which is also added to the finish chunk when D sent none. Events that
+by the combined one, which is also added to the finish chunk when D sent none (and, from a D
+without kv_stats, to its `include_usage` chunk, with D's usage as the decode stats). Events that
 carry neither pass through as bytes, unparsed.
 """
 
@@ -14,9 +15,10 @@ import re
 import time
 from collections.abc import Callable
 
-from duplexkv.router.legs import TurnStats, dumps
+from duplexkv.router.legs import TurnStats, dumps, usage_stats
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
+_USAGE = re.compile(rb'"usage":\s*\{')
 DONE = b"data: [DONE]"
 
 
@@ -56,7 +58,9 @@ class StreamRelay:
             self.error = True
             return event
         needs_parse = (self.first_token_at is None or b'"kv_' in event
-                       or (b'"finish_reason"' in event and b'"finish_reason":null' not in event))
+                       or (b'"finish_reason"' in event and b'"finish_reason":null' not in event)
+                       or (self.stats.decode_source != "kv_stats"
+                           and _USAGE.search(event) is not None))
         if not needs_parse:
             return event
         lines = event.split(b"\n")
@@ -78,18 +82,28 @@ class StreamRelay:
             self.first_token_at = self.clock()
             self.stats.first_token_ms = round((self.first_token_at - self.arrival) * 1e3, 3)
         changed = False
+        stats = self.stats
         if "kv_transfer_params" in obj:
             params = obj.pop("kv_transfer_params")
-            if isinstance(params, dict):
+            if isinstance(params, dict) and params:
                 self.params = params
             changed = True
+        if self.params is not None or first.get("finish_reason") is not None:
+            stats.retained = self.params is not None
         if "kv_stats" in obj:
             if isinstance(obj["kv_stats"], dict):
-                self.stats.decode = obj["kv_stats"]
-            obj["kv_stats"] = self.stats.as_dict()
+                stats.decode, stats.decode_source = obj["kv_stats"], "kv_stats"
+            obj["kv_stats"] = stats.as_dict()
             self.stats_sent = changed = True
+        elif stats.decode_source != "kv_stats" and isinstance(obj.get("usage"), dict):
+            # a worker without kv_stats (vLLM): its usage; the include_usage chunk (after the
+            # finish chunk) repeats the combined kv_stats with it
+            stats.decode, stats.decode_source = usage_stats(obj["usage"]), "usage"
+            if self.stats_sent or first.get("finish_reason") is not None or not choices:
+                obj["kv_stats"] = stats.as_dict()
+                self.stats_sent = changed = True
         elif first.get("finish_reason") is not None and not self.stats_sent:
-            obj["kv_stats"] = self.stats.as_dict()
+            obj["kv_stats"] = stats.as_dict()
             self.stats_sent = changed = True
         return b"data: " + (dumps(obj) if changed else payload)
 
