@@ -1,6 +1,6 @@
 """The package's layers only point down (docs/architecture.md), parsed from the source with `ast`:
 
-    layers, http < model < engine < kv < server < router, launch < up < bench < cli
+    layers, http < model < engine < kv < server < router, launch < up, hosts < bench < cli
 
 No import circles between modules, the router never reaches torch or the engine (not even
 through what it imports), and no module grows past ~300 lines without saying why at its top.
@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "duplexkv"
 RANK = {"layers": 0, "http": 0, "model": 1, "engine": 2, "kv": 3, "server": 4, "router": 5,
-        "launch": 5, "up": 6, "bench": 7, "cli": 8}
+        "launch": 5, "up": 6, "hosts": 6, "bench": 7, "cli": 8}
 MAX_LINES = 300
 WHY_LONG = "Longer than 300 lines:"
 
