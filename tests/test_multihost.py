@@ -106,3 +106,42 @@ def test_cross_host_turns_move_kv_both_ways(hosts, oracle):
         host = w.url.split("//")[1].split(":")[0]
         assert kv["side_channel"].startswith(host + ":"), kv["side_channel"]
         assert kv["transport"]["listen"].startswith(host + ":")
+
+
+@pytest.fixture(scope="module")
+def nixl_hosts(tiny_model_dir, tmp_path_factory):
+    pytest.importorskip("nixl")
+    from duplexkv.hosts.cluster import HostCluster
+
+    log_dir = tmp_path_factory.mktemp("multihost-nixl")
+    with Network(["rn", "pn", "dn"]) as net:
+        hc = HostCluster(net, str(tiny_model_dir), log_dir, connector="NixlConnector")
+        p = hc.worker("pn", "prefill-nixl", *ARGS, "--no-enable-prefix-caching",
+                      kv_extra=KV_EXTRA)
+        d = hc.worker("dn", "decode-nixl", *ARGS, kv_extra=KV_EXTRA)
+        hc.ready([p, d])
+        r = hc.router("rn", "router-nixl", [p], [d], *ROUTER_ARGS)
+        hc.ready([r])
+        yield net, p, d, r
+
+
+def test_nixl_across_hosts_reads_over_ucx_tcp(nixl_hosts, oracle):
+    """NIXL between hosts: UCX over TCP on the interface the side channel advertises (CMA is
+    impossible between machines); /health says which path each peer's READs take."""
+    net, p, d, r = nixl_hosts
+    conv, messages = f"n-{uuid.uuid4().hex[:8]}", [{"role": "system", "content": SYSTEM}]
+    for t in range(2):
+        messages.append(user(t))
+        text, stats, took = chat(r.url, messages, conv)
+        assert text == oracle(messages)
+        assert stats["decode"]["pulled_tokens"] > 0, stats
+        if t:
+            assert stats["prefill"]["pulled_tokens"] > 0, stats
+        assert took < 10
+        messages.append({"role": "assistant", "content": text})
+    for w, peer in ((p, d), (d, p)):
+        tr = health(w)["kv_transfer"]["transport"]
+        assert tr["ucx_device"] == "eth0" and tr["ucx_env"].get("UCX_TLS") == "tcp", tr
+        paths = [x["data_path"] for x in tr["peers"].values()]
+        assert paths and all(x.startswith("network (UCX_TLS=tcp)") for x in paths), tr["peers"]
+        assert tr["reads_done"] >= 1 and tr["reads_failed"] == 0, tr
