@@ -11,6 +11,7 @@ down) must cost no client request and stay bounded in time. Needs root (CI runs 
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -36,10 +37,12 @@ OUT = 8
 def oracle(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=512,
               enable_prefix_caching=False)
+    lock = threading.Lock()  # one engine, called from the conversations' threads
 
     def run(messages):
-        return llm.generate([messages], SamplingParams(max_tokens=OUT, temperature=0,
-                                                       ignore_eos=True))[0].text
+        with lock:
+            return llm.generate([messages], SamplingParams(max_tokens=OUT, temperature=0,
+                                                           ignore_eos=True))[0].text
     return run
 
 
@@ -145,3 +148,154 @@ def test_nixl_across_hosts_reads_over_ucx_tcp(nixl_hosts, oracle):
         paths = [x["data_path"] for x in tr["peers"].values()]
         assert paths and all(x.startswith("network (UCX_TLS=tcp)") for x in paths), tr["peers"]
         assert tr["reads_done"] >= 1 and tr["reads_failed"] == 0, tr
+
+
+def picked(router, role: str, before: dict | None = None) -> dict | int:
+    """The router's pick counts per worker of `role`; with `before`, the index picked since."""
+    now = {i: b["picks"] for i, b in enumerate(health(router)[role])}
+    if before is None:
+        return now
+    moved = [i for i in now if now[i] > before.get(i, 0)]
+    assert len(moved) == 1, (before, now)
+    return moved[0]
+
+
+def conversation(router_urls: list[str], turns: int, oracle, conv: str | None = None,
+                 n: int = 8) -> list[dict]:
+    conv = conv or f"c-{uuid.uuid4().hex[:8]}"
+    messages, out = [{"role": "system", "content": SYSTEM}], []
+    for t in range(turns):
+        messages.append(user(t, n))
+        text, stats, took = chat(router_urls[t % len(router_urls)], messages, conv)
+        assert text == oracle(messages), f"turn {t + 1} differs from reuse off"
+        out.append({**stats, "took_s": took})
+        messages.append({"role": "assistant", "content": text})
+    return out
+
+
+def test_five_hosts_two_routers_alternate_and_reuse_d_kv(hosts, oracle):
+    """2 routers sharing Redis, 2 P, 2 D on five hosts: conversations alternating between the
+    routers reuse D's KV across hosts, with the outputs of reuse off (float32)."""
+    net, hc, ps, ds, routers = hosts
+    urls = [r.url for r in routers]
+    with ThreadPoolExecutor(3) as pool:
+        runs = list(pool.map(lambda _: conversation(urls, 4, oracle), range(3)))
+    for stats in runs:
+        for t, s in enumerate(stats):
+            assert s["decode"]["pulled_tokens"] > 0, s
+            if t:
+                assert s["conversation"] == "hit" and s["prefill"]["pulled_tokens"] > 0, s
+    served = {w.url: health(w)["kv_transfer"]["counters"]["pulls"] for w in ps + ds}
+    assert all(n > 0 for n in served.values()), served  # every worker took part
+
+
+def _fault_turn(router_url: str, oracle, fault, heal, n: int = 8) -> tuple[float, float, dict]:
+    """Turn 1, then `fault()`, then turn 2 (timed), then `heal()`: -> (turn-2 seconds under the
+    fault, a healthy turn 2's seconds, turn 2's kv_stats). Raises if any answer is wrong."""
+    base = conversation([router_url], 2, oracle, n=n)
+    conv, messages = f"f-{uuid.uuid4().hex[:8]}", [{"role": "system", "content": SYSTEM}]
+    messages.append(user(0, n))
+    text, _, _ = chat(router_url, messages, conv)
+    messages += [{"role": "assistant", "content": text}, user(1, n)]
+    fault()
+    try:
+        text, stats, took = chat(router_url, messages, conv)
+        assert text == oracle(messages)
+    finally:
+        heal()
+    return took, base[1]["took_s"], stats
+
+
+def test_d_host_unreachable_between_turns(hosts, oracle):
+    net, hc, ps, ds, routers = hosts
+    r = routers[0]
+    before = picked(r, "decode")
+    conv = f"u-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "system", "content": SYSTEM}, user(0)]
+    text, _, _ = chat(r.url, messages, conv)
+    d = ["d0", "d1"][picked(r, "decode", before)]
+    messages += [{"role": "assistant", "content": text}, user(1)]
+    net.link(d, up=False)
+    try:
+        text, stats, took = chat(r.url, messages, conv)
+        assert text == oracle(messages)
+        assert stats["prefill"]["pulled_tokens"] == 0  # D's KV is out of reach: recomputed
+        assert stats["decode"]["pulled_tokens"] > 0  # the other D pulled P's blocks
+        # bounded: P's side-channel timeout (1 s) + the router noticing D is down (~2 s)
+        assert took < 8, f"{took:.1f} s"
+        print(f"\nD host unreachable: turn 2 took {took * 1e3:.0f} ms")
+    finally:
+        net.link(d, up=True)
+    time.sleep(1.5)  # the router sees d again
+
+
+def test_router_p_partition(hosts, oracle):
+    net, hc, ps, ds, routers = hosts
+    r = routers[0]
+    conversation([r.url], 1, oracle)  # pooled connections to both P's
+    net.partition("r0", "p0")
+    try:
+        took = []
+        for _ in range(3):
+            took.append(conversation([r.url], 1, oracle)[0]["took_s"])
+        assert max(took) < 6, took
+        print(f"\nrouter-P partition: turns took {[round(t * 1e3) for t in took]} ms")
+    finally:
+        net.heal("r0", "p0")
+    time.sleep(1.5)
+
+
+def test_redis_host_down(hosts, oracle):
+    net, hc, ps, ds, routers = hosts
+    r1 = routers[1]  # on p1; Redis lives on r0
+    net.link("r0", up=False)
+    try:
+        stats = conversation([r1.url], 2, oracle)
+        assert all(s["conversation"] in ("miss", "none") for s in stats), stats
+        assert max(s["took_s"] for s in stats) < 5, stats
+        print(f"\nRedis host down: turns took {[round(s['took_s'] * 1e3) for s in stats]} ms")
+        assert health(r1)["store_state"] == "degraded"
+    finally:
+        net.link("r0", up=True)
+    time.sleep(1.5)
+
+
+def test_p_d_link_down_in_the_middle_of_a_read(hosts, oracle):
+    """D's link shaped to 4 Mbit/s so that P's READ of the history takes ~1 s; the P-D link is
+    cut once the READ runs: P gives up after read_timeout_s (2 s here) and recomputes."""
+    net, hc, ps, ds, routers = hosts
+    r = routers[0]
+    before = picked(r, "decode")
+    conv = f"m-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "system", "content": SYSTEM}, user(0, 400)]
+    text, _, _ = chat(r.url, messages, conv)
+    d = ["d0", "d1"][picked(r, "decode", before)]
+    messages += [{"role": "assistant", "content": text}, user(1, 8)]
+    net.shape(d, "4mbit")
+    cut: list[str] = []
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            before_p = picked(r, "prefill")
+            turn = pool.submit(chat, r.url, messages, conv)
+            deadline = time.monotonic() + 10
+            while not cut and time.monotonic() < deadline and not turn.done():
+                for p, h in zip(ps, ("p0", "p1")):
+                    if health(p)["kv_transfer"]["pulls_in_flight"]:
+                        time.sleep(0.3)  # well inside the ~1 s READ
+                        net.partition(h, d)
+                        cut.append(h)
+                        break
+                time.sleep(0.02)
+            text, stats, took = turn.result()
+        assert cut, "the READ was never seen in flight"
+        assert ["p0", "p1"][picked(r, "prefill", before_p)] == cut[0]
+        assert text == oracle(messages)
+        assert stats["prefill"]["pulled_tokens"] == 0, stats  # the READ failed: recomputed
+        assert stats["prefill"]["pull_outcome"] != "pulled", stats
+        assert took < 9, f"{took:.1f} s"
+        print(f"\nP-D link down mid-READ: turn 2 took {took * 1e3:.0f} ms "
+              f"(P: {stats['prefill'].get('pull_outcome')})")
+    finally:
+        for h in cut:
+            net.heal(h, d)
+        net.shape(d, None)

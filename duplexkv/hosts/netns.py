@@ -1,13 +1,14 @@
 """Hosts of their own on one Linux machine: network namespaces on a bridge (needs root).
 
-    with Network(["router", "p0", "d0"]) as net:     # 10.213.X.1, .2, .3 on bridge dkv<pid>br
+    with Network(["router", "p0", "d0"]) as net:     # 10.213.X.1, .2, .3 on a bridge
         net.shape("d0", "1gbit")                      # tc tbf on d0's link, both directions
         net.partition("p0", "d0"); net.heal("p0", "d0")  # blackhole routes on both sides
         net.link("d0", up=False)                      # d0's cable pulled
         proc = net.popen("p0", ["python", ...])       # a process in p0's network stack
 
-Each host is a namespace `dkv<pid>-<name>` whose `eth0` is one end of a veth pair; the other
-end (`dkv<pid>v<i>`) is a port of the bridge `dkv<pid>br`. The subnet is 10.213.X.0/24 with X
+Each host is a namespace `dkv<pid><k>-<name>` (k: a letter per network of the process) whose
+`eth0` is one end of a veth pair; the other end (`dkv<pid><k>v<i>`) is a port of the bridge
+`dkv<pid><k>br`. The subnet is 10.213.X.0/24 with X
 chosen so that it overlaps nothing this machine already routes; the creating (root) namespace
 gets `.254` on the bridge so that the caller can reach every host, which the hosts' own
 addresses `.1`, `.2`, ... are the only other members of. No traffic goes anywhere else.
@@ -31,10 +32,11 @@ from dataclasses import dataclass, field
 
 PREFIX = "dkv"
 SUBNET_BASE = "10.213"
-_NAME = re.compile(rf"^{PREFIX}(\d+)(?:-|br$|v\d+$)")
+_NAME = re.compile(rf"^{PREFIX}(\d+)[a-z](?:-|br$|[vp]\d+$)")
 _live: list[Network] = []
 _lock = threading.Lock()
 _handlers_installed = False
+_made = 0  # networks made by this process: a letter in the names tells them apart
 
 
 class HostsError(RuntimeError):
@@ -171,7 +173,10 @@ class Network:
         return self
 
     def _build(self) -> None:
-        tag = f"{PREFIX}{os.getpid()}"
+        global _made
+        with _lock:
+            tag = f"{PREFIX}{os.getpid()}{chr(97 + _made % 26)}"
+            _made += 1
         x = _free_subnet()
         self.bridge = f"{tag}br"
         self.gateway = f"{SUBNET_BASE}.{x}.254"

@@ -7,6 +7,9 @@
     ties       fewest picks so far, which spreads an idle pool round robin
     health     GET /health every `interval`; a refused connection marks a worker down at once,
                `unhealthy_after` failed checks in a row otherwise; one good check marks it up
+    abandon    a leg in flight to a worker is abandoned when the worker is marked down (again):
+               an unreachable host (link down, partition) answers nothing, and a request on a
+               pooled connection would otherwise wait for --request-timeout
 When every worker of a role is marked down the router still tries them (a mark can be stale):
 the client gets an error only when none answers.
 """
@@ -37,12 +40,22 @@ class Backend:
     last_error: str = ""
     last_check: float = 0.0
     models: tuple[str, ...] = ()
+    _down: asyncio.Event | None = None  # set by the next mark_down; legs in flight wait on it
 
     def mark_down(self, reason: str) -> None:
         if self.healthy:
             log.warning("%s (%s) is down: %s", self.name, self.url, reason)
         self.healthy = False
         self.last_error = reason
+        if self._down is not None:
+            self._down.set()
+            self._down = None
+
+    def went_down(self) -> asyncio.Event:
+        """An event set the next time this worker is marked down (from now on)."""
+        if self._down is None:
+            self._down = asyncio.Event()
+        return self._down
 
     def mark_up(self) -> None:
         if not self.healthy:
