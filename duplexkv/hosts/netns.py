@@ -80,6 +80,9 @@ def remove_stale() -> list[str]:
         m = _NAME.match(name)
         if m and not _pid_alive(int(m.group(1))):
             _kill_ns_processes(name)
+            for link in sh("ip", "-o", "link", "show", check=False, ns=name).splitlines():
+                if " eth0@" in link:  # the veth pair goes at once with its end
+                    sh("ip", "link", "del", "eth0", check=False, ns=name)
             sh("ip", "netns", "del", name, check=False)
             removed.append(name)
     for line in sh("ip", "-o", "link", "show", check=False).splitlines():
@@ -212,6 +215,7 @@ class Network:
                 p.wait(5)
         for h in self.hosts.values():
             _kill_ns_processes(h.ns)
+            sh("ip", "link", "del", h.link, check=False)  # at once; with the namespace: lazily
             sh("ip", "netns", "del", h.ns, check=False)
         if self.bridge:
             sh("ip", "link", "del", self.bridge, check=False)
