@@ -11,6 +11,7 @@ down) must cost no client request and stay bounded in time. Needs root (CI runs 
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 import uuid
@@ -189,26 +190,17 @@ def test_five_hosts_two_routers_alternate_and_reuse_d_kv(hosts, oracle):
     assert all(n > 0 for n in served.values()), served  # every worker took part
 
 
-def _fault_turn(router_url: str, oracle, fault, heal, n: int = 8) -> tuple[float, float, dict]:
-    """Turn 1, then `fault()`, then turn 2 (timed), then `heal()`: -> (turn-2 seconds under the
-    fault, a healthy turn 2's seconds, turn 2's kv_stats). Raises if any answer is wrong."""
-    base = conversation([router_url], 2, oracle, n=n)
-    conv, messages = f"f-{uuid.uuid4().hex[:8]}", [{"role": "system", "content": SYSTEM}]
-    messages.append(user(0, n))
-    text, _, _ = chat(router_url, messages, conv)
-    messages += [{"role": "assistant", "content": text}, user(1, n)]
-    fault()
-    try:
-        text, stats, took = chat(router_url, messages, conv)
-        assert text == oracle(messages)
-    finally:
-        heal()
-    return took, base[1]["took_s"], stats
+def report(fault: str, took: list[float], healthy: float) -> None:
+    """Print the affected turns' extra latency against a healthy turn of the same run (-s)."""
+    extra = ", ".join(f"{(t - healthy) * 1e3:+.0f} ms" for t in took)
+    print(f"\n{fault}: affected turn(s) {', '.join(f'{t * 1e3:.0f}' for t in took)} ms, "
+          f"healthy {healthy * 1e3:.0f} ms, extra {extra}")
 
 
 def test_d_host_unreachable_between_turns(hosts, oracle):
     net, hc, ps, ds, routers = hosts
     r = routers[0]
+    healthy = conversation([r.url], 2, oracle)[1]["took_s"]
     before = picked(r, "decode")
     conv = f"u-{uuid.uuid4().hex[:8]}"
     messages = [{"role": "system", "content": SYSTEM}, user(0)]
@@ -223,7 +215,7 @@ def test_d_host_unreachable_between_turns(hosts, oracle):
         assert stats["decode"]["pulled_tokens"] > 0  # the other D pulled P's blocks
         # bounded: P's side-channel timeout (1 s) + the router noticing D is down (~2 s)
         assert took < 8, f"{took:.1f} s"
-        print(f"\nD host unreachable: turn 2 took {took * 1e3:.0f} ms")
+        report("D host unreachable between turns", [took], healthy)
     finally:
         net.link(d, up=True)
     time.sleep(1.5)  # the router sees d again
@@ -232,14 +224,17 @@ def test_d_host_unreachable_between_turns(hosts, oracle):
 def test_router_p_partition(hosts, oracle):
     net, hc, ps, ds, routers = hosts
     r = routers[0]
-    conversation([r.url], 1, oracle)  # pooled connections to both P's
-    net.partition("r0", "p0")
+    healthy = statistics.median(conversation([r.url], 1, oracle)[0]["took_s"] for _ in range(3))
+    net.partition("r0", "p0")  # the router holds pooled connections to both P's
     try:
-        took = []
-        for _ in range(3):
-            took.append(conversation([r.url], 1, oracle)[0]["took_s"])
+        before = picked(r, "prefill")
+        with ThreadPoolExecutor(2) as pool:  # two at once: the least loaded choice tries p0
+            took = [c[0]["took_s"] for c in pool.map(
+                lambda _: conversation([r.url], 1, oracle), range(2))]
+        assert picked(r, "prefill")[0] > before[0], "p0 was never tried"
+        took.append(conversation([r.url], 1, oracle)[0]["took_s"])
         assert max(took) < 6, took
-        print(f"\nrouter-P partition: turns took {[round(t * 1e3) for t in took]} ms")
+        report("router-P partitioned", took, healthy)
     finally:
         net.heal("r0", "p0")
     time.sleep(1.5)
@@ -248,12 +243,13 @@ def test_router_p_partition(hosts, oracle):
 def test_redis_host_down(hosts, oracle):
     net, hc, ps, ds, routers = hosts
     r1 = routers[1]  # on p1; Redis lives on r0
+    healthy = conversation([r1.url], 2, oracle)[1]["took_s"]
     net.link("r0", up=False)
     try:
         stats = conversation([r1.url], 2, oracle)
         assert all(s["conversation"] in ("miss", "none") for s in stats), stats
         assert max(s["took_s"] for s in stats) < 5, stats
-        print(f"\nRedis host down: turns took {[round(s['took_s'] * 1e3) for s in stats]} ms")
+        report("Redis host down", [s["took_s"] for s in stats], healthy)
         assert health(r1)["store_state"] == "degraded"
     finally:
         net.link("r0", up=True)
@@ -271,7 +267,12 @@ def test_p_d_link_down_in_the_middle_of_a_read(hosts, oracle):
     text, _, _ = chat(r.url, messages, conv)
     d = ["d0", "d1"][picked(r, "decode", before)]
     messages += [{"role": "assistant", "content": text}, user(1, 8)]
-    net.shape(d, "4mbit")
+    for h in ("d0", "d1"):
+        net.shape(h, "4mbit")
+    # the same turn on a healthy shaped link (a copy of the conversation): the baseline
+    twin = f"m-{uuid.uuid4().hex[:8]}"
+    chat(r.url, messages[:2], twin)
+    healthy = chat(r.url, messages, twin)[2]
     cut: list[str] = []
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -293,9 +294,9 @@ def test_p_d_link_down_in_the_middle_of_a_read(hosts, oracle):
         assert stats["prefill"]["pulled_tokens"] == 0, stats  # the READ failed: recomputed
         assert stats["prefill"]["pull_outcome"] != "pulled", stats
         assert took < 9, f"{took:.1f} s"
-        print(f"\nP-D link down mid-READ: turn 2 took {took * 1e3:.0f} ms "
-              f"(P: {stats['prefill'].get('pull_outcome')})")
+        report("P-D link down in the middle of a READ (4 Mbit/s link)", [took], healthy)
     finally:
         for h in cut:
             net.heal(h, d)
-        net.shape(d, None)
+        for h in ("d0", "d1"):
+            net.shape(h, None)
