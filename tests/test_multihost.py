@@ -300,3 +300,29 @@ def test_p_d_link_down_in_the_middle_of_a_read(hosts, oracle):
             net.heal(h, d)
         for h in ("d0", "d1"):
             net.shape(h, None)
+
+
+def test_a_worker_whose_kv_plane_is_loopback_only_is_named(hosts, oracle):
+    """A worker reached over the network but started without VLLM_NIXL_SIDE_CHANNEL_HOST: its
+    own log says at start that cross-host pulls cannot work, the router says so in its log and
+    /health (by role and index), and turns still succeed by recomputing."""
+    net, hc, ps, ds, routers = hosts
+    d = hc.worker("d1", "decode-loopback-kv", *ARGS, kv_extra=KV_EXTRA, port=8001,
+                  env={"VLLM_NIXL_SIDE_CHANNEL_HOST": None})
+    hc.ready([d])
+    r = hc.router("r0", "router-loopback-kv", ps[:1], [d], *ROUTER_ARGS, port=8081)
+    hc.ready([r])
+    try:
+        assert "only workers on this host can exchange KV" in d.log.read_text()
+        deadline = time.monotonic() + 10
+        while not health(r)["decode"][0]["kv_warning"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "VLLM_NIXL_SIDE_CHANNEL_HOST" in health(r)["decode"][0]["kv_warning"]
+        assert health(r)["prefill"][0]["kv_warning"] is None
+        assert "KV plane listens on loopback only" in r.log.read_text()
+        stats = conversation([r.url], 2, oracle)  # answers equal reuse off, nothing fails
+        assert stats[1]["conversation"] == "hit"
+        assert stats[1]["prefill"]["pulled_tokens"] == 0, stats[1]  # P cannot reach D's KV
+    finally:
+        r.stop()
+        d.stop()

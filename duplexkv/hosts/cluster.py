@@ -39,18 +39,20 @@ class HostCluster:
     procs: list[Proc] = field(default_factory=list)
 
     def worker(self, host: str, name: str, *args: str, kv_extra: dict | None = None,
-               bidirectional: bool = True, env: dict | None = None) -> Proc:
+               bidirectional: bool = True, env: dict | None = None,
+               port: int = WORKER_PORT) -> Proc:
+        """`env` adds to (a None value removes from) the worker's environment."""
         addr = self.net.addr(host)
         kv = bidirectional_kv(self.connector, bidirectional, **(kv_extra or {}))
-        argv = ["serve", self.model, "--host", addr, "--port", str(WORKER_PORT),
+        argv = ["serve", self.model, "--host", addr, "--port", str(port),
                 "--kv-transfer-config", json.dumps(kv), *args]
         wenv = {"DUPLEXKV_KV_SECRET": self.secret, "VLLM_NIXL_SIDE_CHANNEL_HOST": addr,
                 "UCX_NET_DEVICES": None, "UCX_TLS": "tcp", **(env or {})}
         return self._spawn(host, name, argv, wenv)
 
     def router(self, host: str, name: str, prefill: list[Proc], decode: list[Proc],
-               *args: str, store: str = "memory") -> Proc:
-        argv = ["router", "--host", self.net.addr(host), "--port", str(ROUTER_PORT),
+               *args: str, store: str = "memory", port: int = ROUTER_PORT) -> Proc:
+        argv = ["router", "--host", self.net.addr(host), "--port", str(port),
                 "--store", store, "--prefill", *(p.url for p in prefill),
                 "--decode", *(d.url for d in decode), *args]
         return self._spawn(host, name, argv, {})

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -40,6 +41,7 @@ class Backend:
     last_error: str = ""
     last_check: float = 0.0
     models: tuple[str, ...] = ()
+    kv_warning: str = ""  # a KV plane that workers on other hosts cannot reach
     _down: asyncio.Event | None = None  # set by the next mark_down; legs in flight wait on it
 
     def mark_down(self, reason: str) -> None:
@@ -67,7 +69,7 @@ class Backend:
     def as_dict(self) -> dict:
         return {"name": self.name, "role": self.role, "healthy": self.healthy,
                 "outstanding": self.outstanding, "picks": self.picks, "errors": self.errors,
-                "last_error": self.last_error or None,
+                "last_error": self.last_error or None, "kv_warning": self.kv_warning or None,
                 "last_check_age_s": round(time.monotonic() - self.last_check, 3)
                 if self.last_check else None}
 
@@ -172,6 +174,7 @@ class HealthChecker:
             ok, reason = False, f"/health failed ({type(e).__name__})"
         b.last_check = time.monotonic()
         if ok:
+            self._check_kv_address(b, r)
             if not b.models or not b.healthy:
                 await self._learn_models(b)
             b.mark_up()
@@ -179,6 +182,26 @@ class HealthChecker:
         b.failed_checks += 1
         if b.failed_checks >= self.pool.unhealthy_after:
             b.mark_down(reason)
+
+    def _check_kv_address(self, b: Backend, r: httpx.Response) -> None:
+        """A worker reached over the network whose KV plane advertises loopback: peers on other
+        hosts cannot pull from it (each such turn recomputes). Said once in the log (with the
+        address) and in /health (without it)."""
+        try:
+            side = r.json().get("kv_transfer", {}).get("side_channel", "")
+        except (ValueError, AttributeError):
+            return
+        host = urlsplit(b.url).hostname or ""
+        kv_host = side.rsplit(":", 1)[0] if isinstance(side, str) else ""
+        loop = ("127.", "::1", "[::1]", "localhost")
+        if kv_host.startswith(loop) and not host.startswith(loop):
+            warning = ("its KV plane listens on loopback only: workers on other hosts cannot "
+                       "read its KV (set VLLM_NIXL_SIDE_CHANNEL_HOST on it)")
+            if not b.kv_warning:
+                log.error("%s (%s): %s, advertised %s", b.name, b.url, warning, side)
+            b.kv_warning = warning
+        else:
+            b.kv_warning = ""
 
     async def _learn_models(self, b: Backend) -> None:
         try:
