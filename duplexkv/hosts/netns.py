@@ -62,13 +62,7 @@ def sh(*argv: str, check: bool = True, ns: str | None = None) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return os.path.exists(f"/proc/{pid}")
 
 
 def remove_stale() -> list[str]:
