@@ -42,7 +42,7 @@ UCX_ENV = ("UCX_TLS", "UCX_NET_DEVICES", "UCX_USE_MT_MUTEX", "UCX_CMA_TX_QUOTA",
 @dataclass(slots=True)
 class _Remote:
     remote_dlist: object  # nixl_prepped_dlist_handle
-    data_path: str  # "cma", "tcp (slow, no CMA)", "network", "unknown"
+    data_path: str  # "cma", "tcp (slow, no CMA)", "network (UCX_TLS=...)", "unknown"
     cma_error: str | None
 
 
