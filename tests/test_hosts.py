@@ -87,7 +87,11 @@ def test_nothing_outlives_the_builder(how):
         assert child.stdout.readline().strip() == "built"
         tag = f"dkv{child.pid}"
         assert len(_namespaces(tag)) == 2
-        sleeper = int(sh("ip", "netns", "pids", f"{tag}a-a").split()[0])
+        deadline = time.monotonic() + 20  # `ip netns exec` enters the namespace, then execs
+        while not (pids := sh("ip", "netns", "pids", f"{tag}a-a").split()):
+            assert time.monotonic() < deadline, "the process never entered host a"
+            time.sleep(0.05)
+        sleeper = int(pids[0])
         child.send_signal(getattr(signal, how))
         child.wait(20)
     finally:
