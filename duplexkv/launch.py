@@ -108,13 +108,14 @@ def worker_env(extra: dict | None = None) -> dict:
 
 
 def spawn(name: str, args: list[str], log_dir: Path, env: dict | None = None,
-          die_with_parent: bool = False) -> Proc:
+          die_with_parent: bool = False, prefix: tuple[str, ...] = ()) -> Proc:
     """Start `duplexkv ARGS` in its own session (a terminal's Ctrl-C goes to the launcher only).
     `die_with_parent` ties the child to the calling thread's life: spawn from the main thread.
-    API key variables are not inherited: a child gets keys only through `env`."""
+    API key variables are not inherited: a child gets keys only through `env`. `prefix` runs the
+    command through another that execs it (e.g. `ip netns exec NS`, duplexkv/hosts)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "duplexkv.cli", *args]
+    cmd = [*prefix, sys.executable, "-m", "duplexkv.cli", *args]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
                                 env=worker_env({API_KEY_ENV: None, WORKER_API_KEY_ENV: None,

@@ -6,7 +6,9 @@ SCRIPTS = {
     "reuse": "P's TTFT pulling history from D vs local hit vs recompute",
     "auth_cost": "what the cluster secret adds to a pull, part by part (params, verify, HELLO)",
     "first_token": "D's TTFT with P's first token vs recomputing the last prompt token",
-    "transfer": "KV READ speed: NIXL and TCP vs memcpy and a raw socket",
+    "transfer": "KV READ speed: NIXL and TCP vs memcpy and a raw socket (--multihost: across "
+                "hosts over a shaped link)",
+    "reuse_hosts": "TTFT with and without pulling history from D, across hosts on shaped links",
     "engine_vs_hf": "prefill and decode of the engine vs HF transformers",
     "router_overhead": "time and throughput the router adds (stub workers)",
     "omp_contention": "a prefill and a decode process sharing the cores",

@@ -1,6 +1,8 @@
 """KV READ between two processes: NIXL and TCP transports vs memcpy and a raw loopback socket.
 
     .venv/bin/python duplexkv bench transfer [--reps 9] [--tokens 2048 8192 16384]
+    .venv/bin/duplexkv bench transfer --multihost --rate 1gbit 10gbit unlimited   (root; see
+                                                                transfer_hosts.py)
 
 The `bench` model's KV layout (8 layers, 2 KV heads, head_dim 64, block 16, bf16 = 64 KiB per
 block). This process is the reader; a spawned holder process owns a pool with the same layout.
@@ -117,6 +119,10 @@ def ucx_proto_info() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if "--multihost" in (sys.argv[1:] if argv is None else argv):  # two hosts, shaped link
+        from duplexkv.bench.transfer_hosts import main as multihost
+
+        return multihost(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 16384])
     ap.add_argument("--reps", type=int, default=9)

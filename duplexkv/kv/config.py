@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 CONNECTORS = {"NixlConnector": "nixl", "TcpConnector": "tcp"}
@@ -27,9 +28,16 @@ class KVTransferConfig:
     # under memory pressure, release retained turns by "value" (kv/eviction.py) or "oldest" first
     decoder_kv_eviction: str = "value"
     kv_lease_duration: float = 30.0
+    # addresses (kv/addresses.py): *_host is what peers dial (advertised), *_bind_host where we
+    # listen ("" = the advertised address; "0.0.0.0" = every interface). `parse` fills the side
+    # channel's from $VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT, and the TCP transport's follow the
+    # side channel's unless set.
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0  # 0 = any free port
+    side_channel_bind_host: str = ""
     transfer_host: str = "127.0.0.1"  # TCP transport listener
+    transfer_bind_host: str = ""
+    transfer_port: int = 0
     enforce_handshake_compat: bool = True
     read_timeout_s: float = 10.0  # a READ that has not landed by then has failed
     # side-channel round trips (handshake, verify, heartbeat), connecting included: a dead or
@@ -46,6 +54,14 @@ class KVTransferConfig:
     @property
     def transport(self) -> str:
         return CONNECTORS[self.kv_connector]
+
+    @property
+    def side_channel_bind(self) -> str:
+        return self.side_channel_bind_host or self.side_channel_host
+
+    @property
+    def transfer_bind(self) -> str:
+        return self.transfer_bind_host or self.transfer_host
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -90,6 +106,7 @@ class KVTransferConfig:
                     raise KVConfigError(f"kv_connector_extra_config.{k} must be {want.__name__}")
                 kw[k] = v
             # other vLLM keys (backends, num_threads, engine_ttl, ...) are accepted and ignored
+        _addresses_from_env(kw)
         cfg = cls(**kw)
         if cfg.kv_recompute_threshold < 0 or cfg.decoder_kv_blocks_ttl <= 0 \
                 or cfg.decoder_kv_lease_duration <= 0 \
@@ -100,3 +117,24 @@ class KVTransferConfig:
             raise KVConfigError("kv_connector_extra_config.decoder_kv_eviction must be 'value' "
                                 "or 'oldest'")
         return cfg
+
+
+HOST_ENV, PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"
+
+
+def _addresses_from_env(kw: dict) -> None:
+    """vLLM's side-channel variables where the config names no address; then the transport
+    follows the side channel (so setting only VLLM_NIXL_SIDE_CHANNEL_HOST, as a vLLM user does,
+    is enough for P/D across hosts with either transport)."""
+    host = os.environ.get(HOST_ENV, "").strip()
+    if host and "side_channel_host" not in kw:
+        kw["side_channel_host"] = host
+    port = os.environ.get(PORT_ENV, "").strip()
+    if port and "side_channel_port" not in kw:
+        if not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise KVConfigError(f"{PORT_ENV}={port!r} is not a port number (0-65535)")
+        kw["side_channel_port"] = int(port)
+    if "transfer_host" not in kw and "side_channel_host" in kw:
+        kw["transfer_host"] = kw["side_channel_host"]
+        if "transfer_bind_host" not in kw and "side_channel_bind_host" in kw:
+            kw["transfer_bind_host"] = kw["side_channel_bind_host"]

@@ -23,12 +23,16 @@ import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import zmq
+
 from duplexkv.engine.kv_transfer import ConnectorEvent, KVConnectorBase, KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine
 from duplexkv.engine.sequence import Sequence
+from duplexkv.kv import addresses
 from duplexkv.kv import auth as kvauth
 from duplexkv.kv import side_channel
-from duplexkv.kv.config import KVTransferConfig
+from duplexkv.kv.addresses import Listen
+from duplexkv.kv.config import KVConfigError, KVTransferConfig
 from duplexkv.kv.holder import Holder
 from duplexkv.kv.peer_gate import PeerGate
 from duplexkv.kv.reader import Reader
@@ -45,17 +49,22 @@ class KVConnector(KVConnectorBase):
         self.engine = engine
         bm = engine.bm
         auth = kvauth.load(cfg.auth_secret_file)  # never logged, never in a repr
-        kvauth.check_bind(auth, "side_channel_host", cfg.side_channel_host)
+        listens = [Listen("side channel", cfg.side_channel_bind, cfg.side_channel_host,
+                          cfg.side_channel_port)]
         if cfg.transport == "tcp":
-            kvauth.check_bind(auth, "transfer_host", cfg.transfer_host)
+            listens.append(Listen("transport", cfg.transfer_bind, cfg.transfer_host,
+                                  cfg.transfer_port))
+        for listen in listens:
+            kvauth.check_bind(auth, listen.what.replace(" ", "_") + "_host", listen.bind_host)
+            addresses.check(listen)
         self.auth = auth
         self.engine_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.compat_hash = hashlib.sha256(
             engine.fingerprint
             + f"{PROTOCOL_VERSION}/{tuple(engine.runner.pool.shape[1:])}".encode()).hexdigest()
         self.transport = make_transport(cfg.transport, engine_id=self.engine_id,
-                                        host=cfg.transfer_host, timeout_s=cfg.read_timeout_s,
-                                        auth=auth)
+                                        timeout_s=cfg.read_timeout_s, auth=auth,
+                                        **self._transport_address(cfg))
         self.transport.register(engine.runner.pool)
         self.counters: dict = {"pulls": 0, "pulled_tokens": 0, "pulled_bytes": 0,
                                "transfer_ms": 0.0, "verify_ms": 0.0, "read_ms": 0.0,
@@ -71,13 +80,27 @@ class KVConnector(KVConnectorBase):
         hs = side_channel.Handshake(self.engine_id, self.compat_hash, cfg.transport,
                                     self.transport.metadata(), engine.config.block_size,
                                     bm.num_blocks, engine.block_bytes)
-        self.server = side_channel.SideChannelServer(
-            cfg.side_channel_host, cfg.side_channel_port, hs,
-            {"verify": self.holder.serve_verify, "hb": self.holder.serve_heartbeat}, auth)
-        self.holder.address = (self.server.host, self.server.port)
+        try:
+            self.server = side_channel.SideChannelServer(
+                cfg.side_channel_bind, cfg.side_channel_port, hs,
+                {"verify": self.holder.serve_verify, "hb": self.holder.serve_heartbeat}, auth)
+        except zmq.ZMQError as e:
+            self.transport.close()
+            raise KVConfigError(f"the KV side channel cannot listen on {cfg.side_channel_bind}:"
+                                f"{cfg.side_channel_port}: {e} (VLLM_NIXL_SIDE_CHANNEL_PORT / "
+                                "side_channel_port: pick a free port, or 0)") from None
+        self.holder.address = (cfg.side_channel_host, self.server.port)
         self.holding: dict[str, str] = {}  # request id -> what finishing it leaves held
         self.to_pull: dict[str, tuple[KVTransferParams, int]] = {}  # until start_pull
         self.server.start()
+
+    @staticmethod
+    def _transport_address(cfg: KVTransferConfig) -> dict:
+        if cfg.transport == "tcp":
+            return {"host": cfg.transfer_bind, "port": cfg.transfer_port,
+                    "advertise_host": cfg.transfer_host}
+        # NIXL: UCX listens on the interface that carries the advertised side-channel address
+        return {"host": cfg.side_channel_host}
 
     @property
     def retained(self):
@@ -135,7 +158,8 @@ class KVConnector(KVConnectorBase):
         counters = {**self.counters, "retained": dict(self.holder.counters)}
         return {"engine_id": self.engine_id, "kv_connector": self.cfg.kv_connector,
                 "kv_auth": "cluster secret" if self.auth.enabled else "loopback only",
-                "side_channel": f"{self.server.host}:{self.server.port}",
+                "side_channel": f"{self.cfg.side_channel_host}:{self.server.port}",
+                "side_channel_bind": f"{self.server.host}:{self.server.port}",
                 "transport": self.transport.health(), "retained": self.holder.retained.stats(),
                 "pulls_in_flight": len(self.reader.pulls), "counters": counters,
                 "side_channel_sockets": {"opened": self.reader.side.opened,

@@ -7,6 +7,9 @@
     ties       fewest picks so far, which spreads an idle pool round robin
     health     GET /health every `interval`; a refused connection marks a worker down at once,
                `unhealthy_after` failed checks in a row otherwise; one good check marks it up
+    abandon    a leg in flight to a worker is abandoned when the worker is marked down (again):
+               an unreachable host (link down, partition) answers nothing, and a request on a
+               pooled connection would otherwise wait for --request-timeout
 When every worker of a role is marked down the router still tries them (a mark can be stale):
 the client gets an error only when none answers.
 """
@@ -18,6 +21,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -38,12 +42,23 @@ class Backend:
     last_check: float = 0.0
     models: tuple[str, ...] = ()
     kind: str | None = None  # who serves it (/v1/models `owned_by`: "duplexkv", "vllm", ...)
+    kv_warning: str = ""  # a KV plane that workers on other hosts cannot reach
+    _down: asyncio.Event | None = None  # set by the next mark_down; legs in flight wait on it
 
     def mark_down(self, reason: str) -> None:
         if self.healthy:
             log.warning("%s (%s) is down: %s", self.name, self.url, reason)
         self.healthy = False
         self.last_error = reason
+        if self._down is not None:
+            self._down.set()
+            self._down = None
+
+    def went_down(self) -> asyncio.Event:
+        """An event set the next time this worker is marked down (from now on)."""
+        if self._down is None:
+            self._down = asyncio.Event()
+        return self._down
 
     def mark_up(self) -> None:
         if not self.healthy:
@@ -55,7 +70,7 @@ class Backend:
     def as_dict(self) -> dict:
         return {"name": self.name, "role": self.role, "healthy": self.healthy,
                 "outstanding": self.outstanding, "picks": self.picks, "errors": self.errors,
-                "last_error": self.last_error or None,
+                "last_error": self.last_error or None, "kv_warning": self.kv_warning or None,
                 "last_check_age_s": round(time.monotonic() - self.last_check, 3)
                 if self.last_check else None}
 
@@ -160,6 +175,7 @@ class HealthChecker:
             ok, reason = False, f"/health failed ({type(e).__name__})"
         b.last_check = time.monotonic()
         if ok:
+            self._check_kv_address(b, r)
             if not b.models or not b.healthy:
                 await self._learn_models(b)
             b.mark_up()
@@ -167,6 +183,26 @@ class HealthChecker:
         b.failed_checks += 1
         if b.failed_checks >= self.pool.unhealthy_after:
             b.mark_down(reason)
+
+    def _check_kv_address(self, b: Backend, r: httpx.Response) -> None:
+        """A worker reached over the network whose KV plane advertises loopback: peers on other
+        hosts cannot pull from it (each such turn recomputes). Said once in the log (with the
+        address) and in /health (without it)."""
+        try:
+            side = r.json().get("kv_transfer", {}).get("side_channel", "")
+        except (ValueError, AttributeError):
+            return
+        host = urlsplit(b.url).hostname or ""
+        kv_host = side.rsplit(":", 1)[0] if isinstance(side, str) else ""
+        loop = ("127.", "::1", "[::1]", "localhost")
+        if kv_host.startswith(loop) and not host.startswith(loop):
+            warning = ("its KV plane listens on loopback only: workers on other hosts cannot "
+                       "read its KV (set VLLM_NIXL_SIDE_CHANNEL_HOST on it)")
+            if not b.kv_warning:
+                log.error("%s (%s): %s, advertised %s", b.name, b.url, warning, side)
+            b.kv_warning = warning
+        else:
+            b.kv_warning = ""
 
     async def _learn_models(self, b: Backend) -> None:
         try:

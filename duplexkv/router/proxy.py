@@ -7,6 +7,8 @@ Failure rules (issue 5, protocol.md 6)
     connection refused/timed out   nothing was sent: mark the worker down, use another of its role
     P fails on a replayed turn     retry once as a plain miss (D's blocks may be gone)
     P or D answers 503             the engine is dead: mark it down, use another
+    marked down while in flight    (health checks failed: host unreachable, partitioned) the
+                                   leg is abandoned and another worker of its role is used
     other worker 4xx / 5xx         relayed to the client as it is
     no worker of a role answers    503 in OpenAI's shape, naming the role and the last error
 Client-visible messages name a worker by role and index ("prefill[0]"), never by its URL, and
@@ -15,6 +17,7 @@ carry no exception text (which can hold addresses); the log has the details.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -47,6 +50,10 @@ from duplexkv.router.upstream import Upstream
 
 log = logging.getLogger("duplexkv.router")
 perf = time.perf_counter
+
+
+class WentDown(Exception):
+    """The worker was marked down while a leg to it was in flight."""
 
 
 class Unreachable(Exception):
@@ -117,8 +124,14 @@ class Proxy:
         """POST to a worker (headers only when `stream`); the caller owns b.outstanding."""
         t = perf()
         try:
-            resp = await self.upstream.post(b.url + turn.req.path, dumps(body),
-                                            self._headers(turn), stream=stream)
+            resp = await self._unless_down(b, self.upstream.post(
+                b.url + turn.req.path, dumps(body), self._headers(turn), stream=stream))
+        except WentDown:
+            b.errors += 1
+            log.warning("%s: %s (%s) went down during the request; abandoned",
+                        turn.request_id, b.name, b.url)
+            self.metrics.upstream_errors.labels(b.role, "went_down").inc()
+            raise Unreachable(f"{b.name}: went down during the request") from None
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             b.errors += 1
             log.warning("%s: %s (%s) unreachable: %r", turn.request_id, b.name, b.url, e)
@@ -134,6 +147,22 @@ class Proxy:
         finally:
             turn.upstream_s += perf() - t
         return resp
+
+    @staticmethod
+    async def _unless_down(b: Backend, call):
+        """`await call`, unless `b` is marked down first (then WentDown, the call cancelled)."""
+        task = asyncio.ensure_future(call)
+        down = asyncio.ensure_future(b.went_down().wait())
+        try:
+            await asyncio.wait((task, down), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            down.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            raise WentDown()
+        return task.result()
 
     def _bad_status(self, b: Backend, resp: httpx.Response) -> str:
         """Account for an answer that is not a usable 200 (a 4xx is the client's, not b's)."""

@@ -55,6 +55,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                    help="HTTP/1.1 client transport to the workers: the router's lean asyncio "
                         "one (default) or httpx's stock httpcore")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
+    p.add_argument("--connect-timeout", type=float, default=5.0, metavar="S",
+                   help="give up connecting to a worker after S seconds and try another (a "
+                        "partitioned host answers nothing; default 5)")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, metavar="N",
                    help="larger request bodies get a 413 (default 4 MiB)")
     p.add_argument("--max-header-bytes", type=int, default=32 << 10, metavar="N",
@@ -95,7 +98,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         max_conversations=args.max_conversations, health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout, affinity_slack=args.affinity_slack,
         rewrite_remote_host=args.rewrite_remote_host, upstream_http=args.upstream_http,
-        request_timeout_s=args.request_timeout, max_request_bytes=args.max_request_bytes,
+        request_timeout_s=args.request_timeout, connect_timeout_s=args.connect_timeout,
+        max_request_bytes=args.max_request_bytes,
         max_header_bytes=args.max_header_bytes, max_json_depth=args.max_json_depth,
         store_timeout_s=args.store_timeout, store_breaker_period_s=args.store_breaker_period,
         lease_renew_period_s=args.lease_renew_period, keepalive_s=args.keepalive_seconds,

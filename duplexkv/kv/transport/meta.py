@@ -65,19 +65,28 @@ def _read(path: str) -> str:
         return ""
 
 
+def _ns(kind: str) -> str:
+    try:
+        return str(os.stat(f"/proc/self/ns/{kind}").st_ino)
+    except OSError:
+        return ""
+
+
 @lru_cache(maxsize=1)
 def _static_identity() -> tuple[str, str, str]:
-    try:
-        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        pidns = ""
-    return socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), pidns
+    return socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), _ns("pid")
 
 
 def host_identity() -> dict:
     host, boot_id, pidns = _static_identity()
-    return {"hostname": host, "boot_id": boot_id, "pidns": pidns, "pid": os.getpid(),
-            "uid": os.getuid()}
+    return {"hostname": host, "boot_id": boot_id, "pidns": pidns, "netns": _ns("net"),
+            "pid": os.getpid(), "uid": os.getuid()}
+
+
+def same_net_namespace(header: dict) -> bool:
+    """Same machine and same network stack (a peer in another network namespace is a host of
+    its own as far as the network goes, though the kernel could still copy between us)."""
+    return same_host(header) and header.get("netns", _ns("net")) == _ns("net")
 
 
 def same_host(header: dict) -> bool:

@@ -70,7 +70,7 @@ UCX_ENV = ("UCX_TLS", "UCX_NET_DEVICES", "UCX_USE_MT_MUTEX", "UCX_CMA_TX_QUOTA",
 @dataclass(slots=True)
 class _Remote:
     base_ptr: int  # the peer's pool address (block b is at base_ptr + b * block_bytes)
-    data_path: str  # "cma", "tcp (slow, no CMA)", "network", "unknown"
+    data_path: str  # "cma", "tcp (slow, no CMA)", "network (UCX_TLS=...)", "unknown"
     cma_error: str | None
     grants_loaded: int = 0
 
@@ -82,8 +82,9 @@ class _Read:
 
 
 class NixlTransport(KVTransport[_Remote]):
-    """`host` is accepted for interface symmetry and unused: UCX picks interfaces itself
-    (restrict them with UCX_NET_DEVICES, e.g. `lo` in a sandbox). `progress_thread_ms`: poll
+    """`host`: the advertised side-channel address; when it is routable and UCX_NET_DEVICES is
+    unset, UCX is restricted to its interface (`_point_ucx_at`; otherwise UCX picks interfaces
+    itself, restrict them with UCX_NET_DEVICES, e.g. `lo` in a sandbox). `progress_thread_ms`: poll
     timeout of NIXL's event-driven progress thread, None = no thread (see nixl_agent.py).
     `num_threads`: NIXL's UCX `num_threads` option (0 = its default, one worker). `auth` is
     accepted for symmetry and unused: UCX's one-sided READs are neither authenticated nor
@@ -94,6 +95,7 @@ class NixlTransport(KVTransport[_Remote]):
                  progress_thread_ms: float | None = 5.0, num_threads: int = 0,
                  auth=None) -> None:
         super().__init__(engine_id, timeout_s)
+        self.ucx_device = _point_ucx_at(host)
         self._errors = nixl_errors()
         self.cma_ok, self.cma_reason = cma.ucx_cma_status()
         self.notif_errors = 0
@@ -192,8 +194,8 @@ class NixlTransport(KVTransport[_Remote]):
 
     def _data_path(self, header: dict) -> tuple[str, str | None]:
         """Which way UCX will move this peer's bytes, checked with the real syscall."""
-        if not meta.same_host(header):
-            return "network", None
+        if not meta.same_host(header) or not meta.same_net_namespace(header):
+            return f"network (UCX_TLS={os.environ.get('UCX_TLS', 'UCX default')})", None
         if not meta.same_pid_namespace(header):
             return "tcp (slow: peer in another PID namespace, no CMA)", "different PID namespace"
         if not self.cma_ok:
@@ -336,6 +338,7 @@ class NixlTransport(KVTransport[_Remote]):
     def _health_impl(self) -> dict:
         return {
             "backends": list(self.agent.backends), "progress": self.progress,
+            "ucx_device": self.ucx_device,
             "ucx_env": self.ucx_env, "ucx_cma": {"enabled": self.cma_ok, "why": self.cma_reason},
             "in_flight": len(self._pending), "uncancelled": len(self._zombies),
             "notif_errors": self.notif_errors, "exposed_claims": len(self._grants),
@@ -346,3 +349,27 @@ class NixlTransport(KVTransport[_Remote]):
     def _peer_health(self, p: Peer[_Remote]) -> dict:
         return {"data_path": p.conn.data_path, "cma_error": p.conn.cma_error,
                 "same_host": meta.same_host(p.header), "grants_loaded": p.conn.grants_loaded}
+
+
+
+def _point_ucx_at(host: str | None) -> str | None:
+    """UCX listens on UCX_NET_DEVICES (all interfaces when unset). When the side channel
+    advertises a routable address and the variable is unset, restrict UCX to that address's
+    interface (the transport follows the side channel, as the TCP one does); a setting that
+    excludes it (e.g. `lo` only) is a start-up error rather than a silent recompute later."""
+    from duplexkv.kv import addresses
+
+    if not host or addresses.is_loopback(host) or addresses.is_wildcard(host):
+        return os.environ.get("UCX_NET_DEVICES")
+    dev = addresses.interface_of(host)
+    have = os.environ.get("UCX_NET_DEVICES")
+    if have is None:
+        if dev is not None:
+            os.environ["UCX_NET_DEVICES"] = dev
+        return dev
+    if have != "all" and dev is not None and dev not in {d.split(":")[0] for d in have.split(",")}:
+        raise addresses.KVConfigError(
+            f"UCX_NET_DEVICES={have!r} excludes {dev}, the interface of the advertised side-"
+            f"channel address {host!r}: NIXL peers on other hosts could not reach this worker; "
+            f"unset UCX_NET_DEVICES or add {dev}")
+    return have
