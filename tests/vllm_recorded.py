@@ -110,7 +110,11 @@ class VllmStub:
                     self._json(200, {})
 
             def do_POST(self):  # noqa: N802
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                body = self.rfile.read(int(self.headers["content-length"]))
+                if self.path not in ("/v1/chat/completions", "/v1/completions"):
+                    self._json(404, {"detail": "Not Found"})  # as vLLM (e.g. /v1/kv/retention)
+                    return
+                body = json.loads(body)
                 stub.seen.append(body)
                 if stub.role == "prefill":
                     self._json(200, chat_json("The", "length", usage(40, 1, stub.cached),

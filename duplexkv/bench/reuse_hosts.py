@@ -83,12 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     if not ok:
         raise SystemExit(f"reuse_hosts: {why}")
     model = str(resolve_model("bench"))
-    common = ("--max-model-len", str(max(args.lengths) + NEW_TURN + 1024),
-              "--served-model-name", "bench")
+    common = ("--max-model-len", str(max(args.lengths) + NEW_TURN + 1024))
     logs = Path(tempfile.mkdtemp(prefix="duplexkv-reuse-hosts-"))
     rows = []
     with Network(["rt", "p", "d"]) as net:
-        hc = HostCluster(net, model, logs, connector=args.connector)
+        hc = HostCluster(net, model, logs, connector=args.connector, served_name="bench")
         p = hc.worker("p", "prefill", *common, "--no-enable-prefix-caching")
         d = hc.worker("d", "decode", *common)
         hc.ready([p, d], timeout_s=600)

@@ -35,6 +35,7 @@ class HostCluster:
     model: str
     log_dir: Path
     connector: str = "TcpConnector"
+    served_name: str | None = None  # the API's model name; default: the model directory's name
     secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     procs: list[Proc] = field(default_factory=list)
 
@@ -44,7 +45,9 @@ class HostCluster:
         """`env` adds to (a None value removes from) the worker's environment."""
         addr = self.net.addr(host)
         kv = bidirectional_kv(self.connector, bidirectional, **(kv_extra or {}))
+        name_ = self.served_name or Path(self.model).name
         argv = ["serve", self.model, "--host", addr, "--port", str(port),
+                "--served-model-name", name_,
                 "--kv-transfer-config", json.dumps(kv), *args]
         wenv = {"DUPLEXKV_KV_SECRET": self.secret, "VLLM_NIXL_SIDE_CHANNEL_HOST": addr,
                 "UCX_NET_DEVICES": None, "UCX_TLS": "tcp", **(env or {})}
