@@ -174,6 +174,7 @@ class ClusterSpec:
     worker_args: tuple[str, ...] = ()  # extra `serve` flags for every worker
     prefill_args: tuple[str, ...] = ()  # ... for prefill workers only (the benchmark passes
     decode_args: tuple[str, ...] = ()  # --no-enable-prefix-caching, as in AWS's evaluation)
+    router_args: tuple[str, ...] = ()  # extra `router` flags (e.g. --placement auto)
     log_dir: Path | None = None  # default: a new temporary directory
     # API keys, passed to the processes by environment (never on a command line or in a log):
     # the router's client keys, and the key between the router and the workers (default with
@@ -244,7 +245,7 @@ class Cluster:
             self.router = self._spawn("router", [
                 "router", "--host", s.host, "--port", str(s.port), "--store", s.store,
                 "--prefill", *(p.url for p in self.prefill),
-                "--decode", *(d.url for d in self.decode)], router_env)
+                "--decode", *(d.url for d in self.decode), *s.router_args], router_env)
             wait_ready([self.router], timeout_s)
         except BaseException:
             self.stop()

@@ -42,6 +42,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="P<->D KV transport (default: TcpConnector, needs nothing extra)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="where the workers and the router log (default: a new temp dir)")
+    p.add_argument("--placement", choices=("prefill", "auto"), default="prefill",
+                   help="the router's turn placement: prefill (every turn through P, pulling "
+                        "from D) or auto (a turn may prefill its suffix on its own D)")
 
 
 def add_up(sub: argparse._SubParsersAction) -> None:
@@ -78,7 +81,7 @@ def port_free(host: str, port: int) -> bool:
 def spec_from_args(args: argparse.Namespace, **overrides) -> ClusterSpec:
     extra = ("--dtype", args.dtype) if args.dtype else ()
     kw = dict(model=args.model, connector=args.kv_connector, worker_args=extra,
-              log_dir=args.log_dir)
+              log_dir=args.log_dir, router_args=("--placement", args.placement))
     return ClusterSpec(**{**kw, **overrides})
 
 

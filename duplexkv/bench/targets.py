@@ -64,9 +64,11 @@ def launched_cluster(cfg: BenchConfig, log: Log) -> Iterator[tuple[str, str]]:
     spec = ClusterSpec(model=cfg.model, connector=cfg.connector,
                        prefill_args=("--no-enable-prefix-caching",),
                        worker_args=cfg.worker_flags, log_dir=cfg.output_dir / "logs",
+                       router_args=("--placement", cfg.placement),
                        api_keys=keys_from(None)[:1])
     with Cluster(spec, on_event=log) as cluster:
-        log(f"cluster up: router {cluster.url} (1 P without prefix caching, 1 D)")
+        log(f"cluster up: router {cluster.url} (1 P without prefix caching, 1 D, placement "
+            f"{cfg.placement})")
         yield cluster.url, check_target(cluster.url, "router")
 
 

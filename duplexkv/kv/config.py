@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 CONNECTORS = {"NixlConnector": "nixl", "TcpConnector": "tcp"}
 POLICIES = ("fail", "recompute")
+OPTIONAL_INTS = ("kv_recompute_threshold",)  # None by default, an int when set
 
 
 class KVConfigError(ValueError):
@@ -20,7 +21,14 @@ class KVTransferConfig:
     # vLLM defaults to "fail"; we default to recompute so that no request is lost
     kv_load_failure_policy: str = "recompute"
     bidirectional_kv_xfer: bool = False
-    kv_recompute_threshold: int = 64
+    # None (default): P pulls when the predicted transfer beats the predicted recompute
+    # (kv/pull_decision.py); set, the fixed rule: pull when the gain reaches this many tokens
+    kv_recompute_threshold: int | None = None
+    # the reader's link model before it has measured a peer, and a stand-in bandwidth for
+    # every peer (> 0: replaces the measured one, e.g. to emulate a slow link on loopback)
+    kv_link_prior_gbps: float = 10.0
+    kv_link_prior_rtt_ms: float = 1.0
+    kv_link_assumed_gbps: float = 0.0
     decoder_kv_blocks_ttl: float = 480.0
     kv_lease_duration: float = 30.0
     side_channel_host: str = "127.0.0.1"
@@ -79,7 +87,7 @@ class KVTransferConfig:
                                     "name a file in auth_secret_file")
             k = legacy.get(k, k)
             if k in fields and k not in kw:
-                want = type(getattr(cls(), k))
+                want = int if k in OPTIONAL_INTS else type(getattr(cls(), k))
                 if want is float and isinstance(v, int) and not isinstance(v, bool):
                     v = float(v)
                 if not isinstance(v, want) or (want is int and isinstance(v, bool)):
@@ -87,7 +95,9 @@ class KVTransferConfig:
                 kw[k] = v
             # other vLLM keys (backends, num_threads, engine_ttl, ...) are accepted and ignored
         cfg = cls(**kw)
-        if cfg.kv_recompute_threshold < 0 or cfg.decoder_kv_blocks_ttl <= 0 \
+        if (cfg.kv_recompute_threshold or 0) < 0 or cfg.kv_link_prior_gbps <= 0 \
+                or cfg.kv_link_prior_rtt_ms < 0 or cfg.kv_link_assumed_gbps < 0 \
+                or cfg.decoder_kv_blocks_ttl <= 0 \
                 or cfg.kv_lease_duration <= 0 or cfg.connect_timeout_s <= 0 \
                 or cfg.read_timeout_s <= 0 or cfg.peer_breaker_s < 0 or cfg.peer_max_in_flight < 1:
             raise KVConfigError("thresholds and durations must be positive")

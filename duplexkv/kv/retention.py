@@ -79,7 +79,8 @@ class RetentionTable:
         self._entries: OrderedDict[str, Retained] = OrderedDict()  # oldest first
         self._claims: dict[bytes, Claim] = {}  # capability token -> claim
         self.refused_reads = 0
-        self.released = {"read": 0, "notified": 0, "expired": 0, "pressure": 0, "abort": 0}
+        self.released = {"read": 0, "notified": 0, "expired": 0, "pressure": 0, "abort": 0,
+                         "local": 0}  # local: its D reused it for the next turn itself
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from duplexkv.router.placement import PlacementConfig
+
 DEFAULT_CONVERSATION_TTL_S = 450.0  # vLLM's sample proxy: below D's decoder_kv_blocks_ttl (480 s)
 
 
@@ -52,6 +54,8 @@ class RouterConfig:
     # Authorization header on the legs, never the client's)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     worker_api_key: str | None = field(default=None, repr=False)
+    # where each turn's prefill runs (router/placement.py)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def worker_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.worker_api_key}"} if self.worker_api_key else {}

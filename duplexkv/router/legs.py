@@ -85,11 +85,19 @@ class TurnStats:
     decode: dict | None = None  # D's kv_stats: local_hit / pulled-from-P tokens
     prefill_done_ms: float | None = None  # router arrival -> P leg answered
     first_token_ms: float | None = None  # router arrival -> first token sent (streaming)
+    # where the prefill ran and why (router/placement.py); None for turns without a conversation
+    placement: str | None = None
+    placement_reason: str | None = None
+    suffix_estimate: int | None = None  # the router's estimate of the new tokens
 
     def as_dict(self) -> dict:
-        return {"conversation": self.conversation, "prefill": self.prefill,
-                "decode": self.decode, "prefill_done_ms": self.prefill_done_ms,
-                "first_token_ms": self.first_token_ms}
+        out = {"conversation": self.conversation, "prefill": self.prefill,
+               "decode": self.decode, "prefill_done_ms": self.prefill_done_ms,
+               "first_token_ms": self.first_token_ms}
+        if self.placement is not None:
+            out.update(placement=self.placement, placement_reason=self.placement_reason,
+                       suffix_estimate=self.suffix_estimate)
+        return out
 
 
 def finish_json(d_json: dict, stats: TurnStats) -> tuple[dict, dict | None]:

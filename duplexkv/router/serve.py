@@ -10,6 +10,7 @@ import sys
 
 from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, check_key, keys_from
 from duplexkv.router.config import DEFAULT_CONVERSATION_TTL_S, RouterConfig
+from duplexkv.router.placement import PlacementConfig
 
 log = logging.getLogger("duplexkv.router")
 
@@ -65,6 +66,15 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                    help="the key the router sends to the workers (`Authorization: Bearer KEY` on "
                         f"every leg and /v1/models; default ${WORKER_API_KEY_ENV}, else none: "
                         "no Authorization header, never the client's)")
+    p.add_argument("--placement", choices=("prefill", "auto"), default="prefill",
+                   help="where a conversation's turn is prefilled: 'prefill' (default: always on "
+                        "a P worker, pulling the history from D) or 'auto' (on the conversation's "
+                        "own D when it holds the history, the suffix is small and D is not busy)")
+    p.add_argument("--decode-local-max-tokens", type=int, default=4096, metavar="N",
+                   help="with --placement auto: largest estimated new suffix D prefills itself")
+    p.add_argument("--decode-local-max-outstanding", type=int, default=4, metavar="N",
+                   help="with --placement auto: D takes a turn's prefill only while it has fewer "
+                        "requests than this in flight")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run_router)
     return p
@@ -80,7 +90,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         request_timeout_s=args.request_timeout, max_request_bytes=args.max_request_bytes,
         max_header_bytes=args.max_header_bytes, max_json_depth=args.max_json_depth,
         store_timeout_s=args.store_timeout, store_breaker_period_s=args.store_breaker_period,
-        api_keys=keys_from(args.api_key), worker_api_key=worker_key(args.worker_api_key))
+        api_keys=keys_from(args.api_key), worker_api_key=worker_key(args.worker_api_key),
+        placement=PlacementConfig(args.placement, args.decode_local_max_tokens,
+                                  args.decode_local_max_outstanding))
 
 
 def worker_key(flag: str | None) -> str | None:
