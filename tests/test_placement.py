@@ -138,3 +138,32 @@ def test_decode_local_falls_back_to_p_when_its_decode_worker_is_gone(workers, tm
     finally:
         r.stop()
         d1.stop()
+
+
+def test_decode_local_with_a_rewritten_answer_never_writes_into_a_cached_block(router, workers,
+                                                                              oracle):
+    """The client rewrites the previous answer: D's match stops inside a full block of its
+    retained turn, a block in its prefix cache. D may start only from the full blocks before it
+    (writing the new tokens into that block corrupted the cache and killed the engine: "block
+    holds other tokens"); the answer is reuse off's and D stays up."""
+    p, d = workers
+    client = router.client()
+    for k in range(3):  # the match stops at another offset each time
+        conv_id = f"conv-{uuid.uuid4().hex[:8]}"
+        messages = [{"role": "system", "content": SYSTEM}, user(k)]
+        text, one = chat(client, messages, conv_id, False)
+        d1 = one["decode"]
+        kept = d1["local_hit_tokens"] + d1["pulled_tokens"] + d1["computed_tokens"] + OUT - 1
+        messages += [{"role": "assistant", "content": text[: 4 * k] + " (edited)"},
+                     user(k + 1)]
+        text, stats = chat(client, messages, conv_id, False)
+        assert text == oracle(messages)
+        assert stats["placement"] == "decode_local", stats
+        local = stats["decode"]["decode_local"]
+        assert local["outcome"] == "reused"
+        assert local["reused_tokens"] <= local["verified_tokens"]
+        reused = local["reused_tokens"]
+        # whole blocks, or up to the match inside the retained turn's own unfinished last block
+        assert reused % 16 == 0 or reused // 16 == kept // 16, (reused, kept)
+        assert reused >= local["verified_tokens"] // 16 * 16
+    d.assert_integrity()

@@ -10,8 +10,9 @@ once (the new turn is retained in its place when it finishes).
 
     params check   our own engine id; signed when the cluster has a secret (auth.py)
     entry          unknown / mismatch -> the whole prompt is computed here (still correct)
-    blocks         full blocks of the match; the partial last block too when nobody else holds it
-                   (the new tokens are written after the verified ones in it)
+    blocks         full blocks of the match; the entry's unfinished last block too when the match
+                   covers it and nobody else holds it (the new tokens are written after the
+                   verified ones in it); never a full (cached) block the match stops inside
 Every outcome is in `kv_stats.decode_local` and counted (`duplexkv_kv_decode_local`).
 """
 
@@ -69,9 +70,13 @@ class LocalReuse:
         if usable <= 0:
             return "mismatch", matched, 0
         nblocks = self.bm.blocks_needed(usable)
-        if usable % bs and (entry.claimed(time.perf_counter())
-                            or self.bm.blocks[entry.block_ids[nblocks - 1]].ref_count != 1):
-            usable, nblocks = (usable // bs) * bs, usable // bs  # the partial block is shared
+        if usable % bs:
+            # the new tokens go into the block after the verified ones: only into the entry's
+            # own unfinished last block (no hash: in no prefix cache) that nobody else holds;
+            # a full block whose match stops inside it is cached and shared, never written
+            last = self.bm.blocks[entry.block_ids[nblocks - 1]]
+            if last.hash or last.ref_count != 1 or entry.claimed(time.perf_counter()):
+                usable, nblocks = (usable // bs) * bs, usable // bs
         if usable > 0:
             self.sched.adopt_prefix(seq, entry.block_ids[:nblocks], usable)
         # the new turn replaces the old one (retained again when it finishes)
