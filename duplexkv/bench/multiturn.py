@@ -65,6 +65,7 @@ class BenchConfig:
     ideal_url: str | None = None  # a running single worker for the ideal mode (with url)
     connector: str = "TcpConnector"
     placement: str = "prefill"  # the launched router's --placement
+    kv_recompute_threshold: int | None = None  # None: the workers' cost model decides
     dtype: str | None = None
     output_dir: Path = field(default_factory=lambda: Path("out") / time.strftime(
         "multiturn-%Y%m%d-%H%M%S"))
@@ -242,8 +243,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--kv-connector", default="TcpConnector",
                    choices=("TcpConnector", "NixlConnector"))
     m.add_argument("--placement", choices=("prefill", "auto"), default="prefill",
-                   help="the launched router's turn placement (auto: a turn may prefill its "
-                        "new suffix on the conversation's own D; router/placement.py)")
+                   help="the launched router's --placement (router/placement.py)")
+    m.add_argument("--kv-recompute-threshold", type=int, default=None, metavar="TOKENS",
+                   help="the launched workers' fixed pull rule (default: their cost model)")
     m.add_argument("--dtype", choices=("bfloat16", "float32"))
     m.add_argument("--output-dir", type=Path,
                    help="results and worker logs (default: out/multiturn-DATE-TIME)")
@@ -281,7 +283,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
               tokenizer=args.tokenizer, url=args.url and args.url.rstrip("/"),
               ideal_url=args.ideal_url and args.ideal_url.rstrip("/"),
               connector=args.kv_connector, placement=args.placement, dtype=args.dtype,
-              warmup=args.warmup,
+              kv_recompute_threshold=args.kv_recompute_threshold, warmup=args.warmup,
               reverse=args.reverse, command=command_line())
     if args.output_dir:
         kw["output_dir"] = args.output_dir

@@ -15,6 +15,7 @@ import httpx
 from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, keys_from
 from duplexkv.launch import Cluster, ClusterSpec, spawn, stop_all, wait_ready, worker_args
 from duplexkv.model.registry import resolve_model
+from duplexkv.up import threshold_kv
 
 if TYPE_CHECKING:
     from duplexkv.bench.multiturn import BenchConfig
@@ -65,6 +66,7 @@ def launched_cluster(cfg: BenchConfig, log: Log) -> Iterator[tuple[str, str]]:
                        prefill_args=("--no-enable-prefix-caching",),
                        worker_args=cfg.worker_flags, log_dir=cfg.output_dir / "logs",
                        router_args=("--placement", cfg.placement),
+                       kv_extra=threshold_kv(cfg.kv_recompute_threshold),
                        api_keys=keys_from(None)[:1])
     with Cluster(spec, on_event=log) as cluster:
         log(f"cluster up: router {cluster.url} (1 P without prefix caching, 1 D, placement "
