@@ -147,7 +147,7 @@ def diagnose(results: list[Result]) -> list[str]:
     if not any(r.has_kv_stats for r in later):
         return ["the target's responses carry no kv_stats: pulled/recomputed tokens are unknown "
                 "(is it a duplexkv router?)"]
-    if any(r.pulled_tokens for r in later):
+    if any(r.pulled_tokens or r.placement == "decode_local" for r in later):
         return []
     states = sorted({r.router_conversation for r in later})
     outcomes = sorted({r.pull_outcome for r in later})
