@@ -175,6 +175,9 @@ class ClusterSpec:
     worker_args: tuple[str, ...] = ()  # extra `serve` flags for every worker
     prefill_args: tuple[str, ...] = ()  # ... for prefill workers only (the benchmark passes
     decode_args: tuple[str, ...] = ()  # --no-enable-prefix-caching, as in AWS's evaluation)
+    router_args: tuple[str, ...] = ()  # extra `router` flags (e.g. --placement auto)
+    # extra kv_connector_extra_config keys for every worker (e.g. kv_recompute_threshold)
+    kv_extra: dict = field(default_factory=dict)
     log_dir: Path | None = None  # default: a new temporary directory
     # API keys, passed to the processes by environment (never on a command line or in a log):
     # the router's client keys, and the key between the router and the workers (default with
@@ -229,7 +232,7 @@ class Cluster:
         from duplexkv.model.registry import resolve_model
 
         resolve_model(s.model)  # a preset is made once here, not raced by every worker
-        kv = bidirectional_kv(s.connector, s.bidirectional)
+        kv = bidirectional_kv(s.connector, s.bidirectional, **s.kv_extra)
         worker_key = s.worker_api_key or (secrets.token_urlsafe(24) if s.api_keys else None)
         worker_env = {API_KEY_ENV: worker_key, WORKER_API_KEY_ENV: None}  # None: unset
         router_env = {API_KEY_ENV: ",".join(s.api_keys) or None, WORKER_API_KEY_ENV: worker_key}
@@ -245,7 +248,7 @@ class Cluster:
             self.router = self._spawn("router", [
                 "router", "--host", s.host, "--port", str(s.port), "--store", s.store,
                 "--prefill", *(p.url for p in self.prefill),
-                "--decode", *(d.url for d in self.decode)], router_env)
+                "--decode", *(d.url for d in self.decode), *s.router_args], router_env)
             wait_ready([self.router], timeout_s)
         except BaseException:
             self.stop()

@@ -152,7 +152,8 @@ def test_token_history_reuses_prompt_and_answer(cluster, oracle):
 
 @pytest.mark.parametrize("retained, pulled", [(63, False), (64, True)])
 def test_threshold_edge(cluster, oracle, retained, pulled):
-    """Default kv_recompute_threshold is 64: a gain of 63 tokens recomputes, 64 pulls."""
+    """kv_recompute_threshold 64 (kv_config's, set explicitly; the default is the cost model):
+    a gain of 63 tokens recomputes, 64 pulls."""
     _, p, d, _ = cluster
     out_tokens = 4
     prompt = list(range(1000, 1000 + retained + 1 - out_tokens))

@@ -55,6 +55,7 @@ class Result:
     d_prefill_ms: float = 0.0  # D's compute before its first token
     pull_outcome: str = ""
     router_conversation: str = ""  # the router's view: none, miss, hit, expired, retried
+    placement: str = ""  # the router's: decode_local | prefill_pull | prefill_recompute
     has_kv_stats: bool = False
     error: str | None = None
 
@@ -77,6 +78,9 @@ def read_kv_stats(r: Result, stats: dict | None) -> None:
         r.p_to_d_ms = float(d.get("transfer_ms", 0.0))
         r.d_prefill_ms = float(d.get("prefill_ms", 0.0))
         r.p_leg_ms = stats.get("prefill_done_ms")
+        r.placement = stats.get("placement") or ""
+        if r.placement == "decode_local":  # no P leg: D reused its own history, computed the rest
+            p, r.p_to_d_tokens, r.p_to_d_ms = d, 0, 0.0
     else:  # a worker's own
         p = stats
     r.local_hit_tokens = int(p.get("local_hit_tokens", 0))

@@ -92,7 +92,8 @@ def run_demo(args: argparse.Namespace) -> int:
     log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="duplexkv-demo-"))
     cfg = BenchConfig(workload="agentic", max_context=args.max_context, modes=("off", "on"),
                       sizes=sizes, model=args.model, connector=args.kv_connector,
-                      dtype=args.dtype, output_dir=log_root)
+                      dtype=args.dtype, output_dir=log_root, placement=args.placement,
+                      kv_recompute_threshold=args.kv_recompute_threshold)
     try:
         results = run(cfg)
     except LaunchError as e:

@@ -65,6 +65,8 @@ class BenchConfig:
     url: str | None = None  # a running router; None = launch a cluster
     ideal_url: str | None = None  # a running single worker for the ideal mode (with url)
     connector: str = "TcpConnector"
+    placement: str = "prefill"  # the launched router's --placement
+    kv_recompute_threshold: int | None = None  # None: the workers' cost model decides
     dtype: str | None = None
     output_dir: Path = field(default_factory=lambda: Path("out") / time.strftime(
         "multiturn-%Y%m%d-%H%M%S"))
@@ -146,7 +148,7 @@ def diagnose(results: list[Result]) -> list[str]:
     if not any(r.has_kv_stats for r in later):
         return ["the target's responses carry no kv_stats: pulled/recomputed tokens are unknown "
                 "(is it a duplexkv router?)"]
-    if any(r.pulled_tokens for r in later):
+    if any(r.pulled_tokens or r.placement == "decode_local" for r in later):
         return []
     states = sorted({r.router_conversation for r in later})
     outcomes = sorted({r.pull_outcome for r in later})
@@ -244,6 +246,10 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--kv-connector", default="TcpConnector",
                    choices=("TcpConnector", "NixlConnector"))
+    m.add_argument("--placement", choices=("prefill", "auto"), default="prefill",
+                   help="the launched router's --placement (router/placement.py)")
+    m.add_argument("--kv-recompute-threshold", type=int, default=None, metavar="TOKENS",
+                   help="the launched workers' fixed pull rule (default: their cost model)")
     m.add_argument("--dtype", choices=DTYPE_CHOICES, help="the launched workers' (default auto)")
     m.add_argument("--output-dir", type=Path,
                    help="results and worker logs (default: out/multiturn-DATE-TIME)")
@@ -280,7 +286,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
               modes=tuple(args.modes), sizes=sizes, seed=args.seed, model=args.model,
               tokenizer=args.tokenizer, url=args.url and args.url.rstrip("/"),
               ideal_url=args.ideal_url and args.ideal_url.rstrip("/"),
-              connector=args.kv_connector, dtype=args.dtype, warmup=args.warmup,
+              connector=args.kv_connector, placement=args.placement, dtype=args.dtype,
+              kv_recompute_threshold=args.kv_recompute_threshold, warmup=args.warmup,
               reverse=args.reverse, command=command_line())
     if args.output_dir:
         kw["output_dir"] = args.output_dir

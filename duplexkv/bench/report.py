@@ -4,6 +4,8 @@ A request's context bucket is the first edge >= its prompt tokens: "16k" holds 1
 <= 16k. Speed-up = p50 TTFT without reuse / p50 TTFT with reuse; on/ideal = p50 with reuse /
 p50 of the single worker whose local prefix cache holds the history. Ceiling = p50 without reuse
 / p50 ideal: the speed-up a cache already resident on P would give, which no transfer can beat;
+of ceiling = speed-up / ceiling (on/off / ideal/off, = ideal / on): the share of the possible
+speed-up reuse reached (issue 14's target: >= 0.95 at 16k);
 compute off/on = P's prefill compute time without / with reuse (p50), the pure compute ratio.
 In the per-turn table the
 token and time columns without a mode are reuse on's (P's leg: READ from D, computed, READ time,
@@ -65,9 +67,10 @@ def _stats(rs: list[Result]) -> dict:
 def _compare(row: dict) -> dict:
     off, on, ideal = (row.get(m, {}).get("ttft_p50") for m in MODES)
     compute_off, compute_on = (row.get(m, {}).get("prefill_ms_p50") for m in ("off", "on"))
-    return {"speedup_on_off": ratio(off, on), "on_vs_ideal": ratio(on, ideal),
-            "ceiling_off_ideal": ratio(off, ideal), "compute_off_on": ratio(compute_off,
-                                                                            compute_on)}
+    speedup, ceiling = ratio(off, on), ratio(off, ideal)
+    return {"speedup_on_off": speedup, "on_vs_ideal": ratio(on, ideal),
+            "ceiling_off_ideal": ceiling, "of_ceiling": ratio(speedup, ceiling),
+            "compute_off_on": ratio(compute_off, compute_on)}
 
 
 def summarize(results: list[Result], wall_s: dict[str, float] | None = None) -> dict:
@@ -123,6 +126,7 @@ def bucket_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     head += [h for h, need in (("speed-up on/off", {"off", "on"}),
                                ("on / ideal", {"on", "ideal"}),
                                ("ceiling off/ideal", {"off", "ideal"}),
+                               ("of ceiling", {"off", "on", "ideal"}),
                                ("P compute off/on", {"off", "on"})) if need <= set(modes)]
     rows = []
     for row in summary["by_bucket"]:
@@ -134,6 +138,8 @@ def bucket_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
             cells.append(_x(row["on_vs_ideal"]))
         if {"off", "ideal"} <= set(modes):
             cells.append(_x(row["ceiling_off_ideal"]))
+        if {"off", "on", "ideal"} <= set(modes):
+            cells.append("-" if row["of_ceiling"] is None else f"{row['of_ceiling']:.2f}")
         if {"off", "on"} <= set(modes):
             cells.append(_x(row["compute_off_on"]))
         rows.append(cells)

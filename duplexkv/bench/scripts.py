@@ -5,6 +5,7 @@ from __future__ import annotations
 SCRIPTS = {
     "reuse": "P's TTFT pulling history from D vs local hit vs recompute",
     "auth_cost": "what the cluster secret adds to a pull, part by part (params, verify, HELLO)",
+    "pull_cost": "the measured pull decision vs the fixed 64-token rule, per history length",
     "first_token": "D's TTFT with P's first token vs recomputing the last prompt token",
     "transfer": "KV READ speed: NIXL and TCP vs memcpy and a raw socket (--multihost: across "
                 "hosts over a shaped link)",

@@ -17,6 +17,7 @@ from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, keys_from
 from duplexkv.launch import Cluster, ClusterSpec, spawn, stop_all, wait_ready, worker_args
 from duplexkv.model.registry import resolve_model
+from duplexkv.up import threshold_kv
 
 if TYPE_CHECKING:
     from duplexkv.bench.multiturn import BenchConfig
@@ -73,9 +74,12 @@ def launched_cluster(cfg: BenchConfig, log: Log) -> Iterator[tuple[str, str]]:
     spec = ClusterSpec(model=cfg.model, connector=cfg.connector,
                        prefill_args=("--no-enable-prefix-caching",),
                        worker_args=cfg.worker_flags, log_dir=cfg.output_dir / "logs",
+                       router_args=("--placement", cfg.placement),
+                       kv_extra=threshold_kv(cfg.kv_recompute_threshold),
                        api_keys=keys_from(None)[:1])
     with Cluster(spec, on_event=log) as cluster:
-        log(f"cluster up: router {cluster.url} (1 P without prefix caching, 1 D)")
+        log(f"cluster up: router {cluster.url} (1 P without prefix caching, 1 D, placement "
+            f"{cfg.placement})")
         yield cluster.url, check_target(cluster.url, "router")
 
 

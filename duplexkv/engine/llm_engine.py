@@ -18,6 +18,7 @@ import torch
 from duplexkv.engine.block_manager import BlockManager
 from duplexkv.engine.config import EngineConfig
 from duplexkv.engine.dtype import read_cpu_flags, resolve_dtype
+from duplexkv.engine.cost_model import PrefillCostModel, Sample
 from duplexkv.engine.kv_pool import DTYPE, block_bytes, num_blocks_for
 from duplexkv.engine.kv_transfer import (
     ConnectorEvent,
@@ -143,6 +144,8 @@ class LLMEngine:
         self._consecutive_step_failures = 0
         self.connector: KVConnectorBase = NoKVConnector()
         self.num_connector_errors = 0
+        self.cost_model = PrefillCostModel()  # calibrate() once loaded; every lone prefill after
+        self._calibrating = False
 
     def attach_connector(self, connector: KVConnectorBase) -> None:
         """Use `connector` for KV transfer (docs/architecture.md, "The connector contract")."""
@@ -285,6 +288,9 @@ class LLMEngine:
         self._consecutive_step_failures = 0
         dt_ms = (time.perf_counter() - t0) * 1e3
         sampling = [item for item in batch if item.samples]
+        if len(batch) == 1 and batch[0].seq.in_prefill:  # one chunk alone: a cost sample
+            self.cost_model.add(Sample(batch[0].num_new_tokens, batch[0].start, dt_ms),
+                                real=not self._calibrating)
         for item in batch:
             seq = item.seq
             if seq.in_prefill:
@@ -441,6 +447,47 @@ class LLMEngine:
         """(where the earliest stop string starts, that string), or None."""
         found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
         return min(found, key=lambda f: f[0]) if found else None
+
+    def calibrate(self, budget_s: float = 2.0) -> None:
+        """Fit the prefill cost model on this model and machine (engine/cost_model.py): random
+        prompts of growing length, prefilled in chunks (each chunk a sample at a known context)
+        with the prefix cache off, until the next prompt would pass `budget_s`. Only before
+        any request (the engine thread must not run yet)."""
+        assert not self.has_unfinished(), "calibrate before serving"
+        import random
+
+        rng = random.Random(0)
+        bm, sched = self.bm, self.scheduler
+        saved = bm.enable_prefix_caching, sched.budget
+        cap = min(self.max_model_len - 1, (bm.num_blocks - 1) * bm.block_size)
+        plan = [(16, 16), (64, 64), (256, 128), (512, 256), (1024, 512), (2048, 512),
+                (4096, 1024), (8192, 2048)]
+        t0 = time.perf_counter()
+        self._calibrating = True
+        bm.enable_prefix_caching = False
+        try:
+            for i, (length, chunk) in enumerate(plan):
+                length = min(length, cap)
+                predicted = self.cost_model.predict_ms(length, 0) or 0.0
+                if i > 1 and (time.perf_counter() - t0) * 1e3 + predicted > budget_s * 1e3:
+                    break
+                sched.budget = min(chunk, saved[1])
+                ids = [rng.randrange(self.model_config.vocab_size) for _ in range(length)]
+                self.add_request(ids, SamplingParams(max_tokens=1, temperature=0),
+                                 f"calibration-{i}")
+                while self.has_unfinished():
+                    self.step()
+                if i == 0:  # the first forward pass pays one-off costs: not a sample
+                    self.cost_model = PrefillCostModel()
+                if length == cap:
+                    break
+        finally:
+            bm.enable_prefix_caching, sched.budget = saved
+            self._calibrating = False
+        self.cost_model.fit()
+        self.cost_model.calibration_ms = (time.perf_counter() - t0) * 1e3
+        log.info("prefill cost model calibrated in %.0f ms: %s",
+                 self.cost_model.calibration_ms, self.cost_model.as_dict()["predict_ms"])
 
     def check_integrity(self) -> None:
         """Pool invariants, and every block reference accounted for (sequences + pins)."""

@@ -132,6 +132,20 @@ class Scheduler:
         if seq.stats.preemptions == 0:
             seq.stats.local_hit_tokens = seq.num_computed_tokens
 
+    def adopt_prefix(self, seq: Sequence, block_ids: list[int], num_tokens: int) -> None:
+        """Before `add`: start `seq` from blocks this worker already holds for its first
+        `num_tokens` tokens (a retained turn of its own, verified token by token by the caller)
+        instead of the prefix cache. The caller's references stay with the caller; `seq` takes
+        its own."""
+        assert not seq.block_table and seq.num_computed_tokens == 0, "adopt into a fresh seq"
+        assert 0 < num_tokens < seq.num_tokens, "at least one token must be computed"
+        assert len(block_ids) == self.bm.blocks_needed(num_tokens)
+        self.bm.acquire(block_ids)
+        seq.block_table = list(block_ids)
+        seq.num_computed_tokens = num_tokens
+        seq.num_hashed_blocks = num_tokens // self.bm.block_size  # a partial last block: not yet
+        seq.stats.local_hit_tokens = num_tokens
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free(seq)

@@ -29,6 +29,10 @@ class KVStats:
     prefill_ms: float = 0.0
     preemptions: int = 0
     pull_outcome: str = ""  # "", "pulled", or why not: threshold, mismatch, expired, failed, ...
+    # the reader's pull-or-recompute decision with both predictions (kv/pull_decision.py)
+    pull_decision: dict | None = None
+    # D prefilled a conversation's new suffix over its own retained turn (kv/local_reuse.py)
+    decode_local: dict | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -41,6 +45,8 @@ class KVStats:
             "prefill_ms": round(self.prefill_ms, 3),
             "preemptions": self.preemptions,
             "pull_outcome": self.pull_outcome,
+            "pull_decision": self.pull_decision,
+            "decode_local": self.decode_local,
         }
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 CONNECTORS = {"NixlConnector": "nixl", "TcpConnector": "tcp"}
 POLICIES = ("fail", "recompute")
+OPTIONAL_INTS = ("kv_recompute_threshold",)  # None by default, an int when set
 
 
 class KVConfigError(ValueError):
@@ -21,7 +22,14 @@ class KVTransferConfig:
     # vLLM defaults to "fail"; we default to recompute so that no request is lost
     kv_load_failure_policy: str = "recompute"
     bidirectional_kv_xfer: bool = False
-    kv_recompute_threshold: int = 64
+    # None (default): P pulls when the predicted transfer beats the predicted recompute
+    # (kv/pull_decision.py); set, the fixed rule: pull when the gain reaches this many tokens
+    kv_recompute_threshold: int | None = None
+    # the reader's link model before it has measured a peer, and a stand-in bandwidth for
+    # every peer (> 0: replaces the measured one, e.g. to emulate a slow link on loopback)
+    kv_link_prior_gbps: float = 10.0
+    kv_link_prior_rtt_ms: float = 1.0
+    kv_link_assumed_gbps: float = 0.0
     decoder_kv_blocks_ttl: float = 480.0  # the cap: D never holds a finished turn longer
     # D holds a finished turn this long unless the router renews it (its conversation is active)
     decoder_kv_lease_duration: float = 60.0
@@ -99,7 +107,7 @@ class KVTransferConfig:
                                     "name a file in auth_secret_file")
             k = legacy.get(k, k)
             if k in fields and k not in kw:
-                want = type(getattr(cls(), k))
+                want = int if k in OPTIONAL_INTS else type(getattr(cls(), k))
                 if want is float and isinstance(v, int) and not isinstance(v, bool):
                     v = float(v)
                 if not isinstance(v, want) or (want is int and isinstance(v, bool)):
@@ -108,8 +116,9 @@ class KVTransferConfig:
             # other vLLM keys (backends, num_threads, engine_ttl, ...) are accepted and ignored
         _addresses_from_env(kw)
         cfg = cls(**kw)
-        if cfg.kv_recompute_threshold < 0 or cfg.decoder_kv_blocks_ttl <= 0 \
-                or cfg.decoder_kv_lease_duration <= 0 \
+        if (cfg.kv_recompute_threshold or 0) < 0 or cfg.kv_link_prior_gbps <= 0 \
+                or cfg.kv_link_prior_rtt_ms < 0 or cfg.kv_link_assumed_gbps < 0 \
+                or cfg.decoder_kv_blocks_ttl <= 0 or cfg.decoder_kv_lease_duration <= 0 \
                 or cfg.kv_lease_duration <= 0 or cfg.connect_timeout_s <= 0 \
                 or cfg.read_timeout_s <= 0 or cfg.peer_breaker_s < 0 or cfg.peer_max_in_flight < 1:
             raise KVConfigError("thresholds and durations must be positive")

@@ -2,6 +2,7 @@
 
     engine calls            connector                     parts
     wants_remote_kv         remember the params; pull?    Holder.kind_for, Reader.threshold_for
+                            (decode_local: own history)   LocalReuse.adopt
     start_pull              verify, then READ             Reader.start
     poll                    events; notifications;        Reader.poll, Holder.on_notification,
                             expiries                      Holder.expire
@@ -34,6 +35,7 @@ from duplexkv.kv import side_channel
 from duplexkv.kv.addresses import Listen
 from duplexkv.kv.config import KVConfigError, KVTransferConfig
 from duplexkv.kv.holder import Holder
+from duplexkv.kv.local_reuse import LocalReuse, is_decode_local
 from duplexkv.kv.peer_gate import PeerGate
 from duplexkv.kv.reader import Reader
 from duplexkv.kv.transport import make_transport
@@ -68,7 +70,9 @@ class KVConnector(KVConnectorBase):
         self.transport.register(engine.runner.pool)
         self.counters: dict = {"pulls": 0, "pulled_tokens": 0, "pulled_bytes": 0,
                                "transfer_ms": 0.0, "verify_ms": 0.0, "read_ms": 0.0,
-                               "declined": {}, "prefill_first_tokens": 0}
+                               "declined": {}, "prefill_first_tokens": 0,
+                               "decisions": {}, "predicted_transfer_ms": 0.0,
+                               "predicted_recompute_ms": 0.0}
         self.pool = ThreadPoolExecutor(NET_THREADS, thread_name_prefix="kv-net")
         self.gate = PeerGate(self.pool, cfg.peer_max_in_flight, cfg.peer_breaker_s)
         self.holder = Holder(cfg, bm, engine.config.block_size, engine.fingerprint,
@@ -90,6 +94,7 @@ class KVConnector(KVConnectorBase):
                                 f"{cfg.side_channel_port}: {e} (VLLM_NIXL_SIDE_CHANNEL_PORT / "
                                 "side_channel_port: pick a free port, or 0)") from None
         self.holder.address = (cfg.side_channel_host, self.server.port)
+        self.local = LocalReuse(self.holder, bm, engine.scheduler, self.engine_id, auth)
         self.holding: dict[str, str] = {}  # request id -> what finishing it leaves held
         self.to_pull: dict[str, tuple[KVTransferParams, int]] = {}  # until start_pull
         self.server.start()
@@ -108,6 +113,11 @@ class KVConnector(KVConnectorBase):
 
     # KVConnectorBase ---------------------------------------------------------------------
     def wants_remote_kv(self, seq: Sequence, params: KVTransferParams) -> bool:
+        if is_decode_local(params):  # the next turn on the D that holds the history
+            self.local.adopt(seq, params)
+            if self.cfg.bidirectional_kv_xfer:
+                self.holding[seq.request_id] = "ttl"
+            return False
         kind = self.holder.kind_for(params)
         if kind is not None:
             self.holding[seq.request_id] = kind
@@ -164,6 +174,8 @@ class KVConnector(KVConnectorBase):
                 "pulls_in_flight": len(self.reader.pulls), "counters": counters,
                 "side_channel_sockets": {"opened": self.reader.side.opened,
                                          "idle": self.reader.side.idle()},
+                "decode_local": self.local.state(),
+                "cost_model": self.engine.cost_model.as_dict(), "links": self.reader.link.state(),
                 "peers": self.gate.state()}
 
     def close(self) -> None:

@@ -25,12 +25,27 @@ class KVCollector(Collector):
                                   "token", value=c["prefill_first_tokens"])
         declined = CounterMetricFamily("duplexkv_kv_pull_declined",
                                        "Remote KV not used, by reason", labels=["reason"])
-        for reason in ("threshold", "mismatch", "expired", "failed", "no_room", "unknown",
+        for reason in ("threshold", "cost_model", "mismatch", "expired", "failed", "no_room", "unknown",
                        "local_hit", "bad_reply", "unreachable", "peer_down", "untrusted",
                        *c["declined"]):
             if reason not in {m.labels["reason"] for m in declined.samples}:
                 declined.add_metric([reason], c["declined"].get(reason, 0))
         yield declined
+        decisions = CounterMetricFamily(
+            "duplexkv_kv_pull_decisions", "Pull-or-recompute decisions after a verify, by policy "
+            "(cost_model, threshold) and decision (pull, decline)", labels=["policy", "decision"])
+        for policy in ("cost_model", "threshold"):
+            for decision in ("pull", "decline"):
+                decisions.add_metric([policy, decision],
+                                     c["decisions"].get(f"{policy}:{decision}", 0))
+        yield decisions
+        yield CounterMetricFamily("duplexkv_kv_pull_predicted_transfer_seconds",
+                                  "Predicted transfer time of the pulls taken (compare with "
+                                  "duplexkv_kv_pull_seconds, the actual)",
+                                  value=c["predicted_transfer_ms"] / 1e3)
+        yield CounterMetricFamily("duplexkv_kv_pull_predicted_recompute_seconds",
+                                  "Predicted recompute time of the pulls declined",
+                                  value=c["predicted_recompute_ms"] / 1e3)
         retained = CounterMetricFamily("duplexkv_kv_retained", "Finished requests whose blocks "
                                        "were kept for another worker", labels=["kind"])
         for kind, n in self.c.holder.counters.items():
@@ -47,6 +62,12 @@ class KVCollector(Collector):
         for why, n in st["released"].items():
             released.add_metric([why], n)
         yield released
+        local = CounterMetricFamily("duplexkv_kv_decode_local", "Turns sent to this worker "
+                                    "to prefill their suffix over its own retained history, by "
+                                    "outcome", labels=["outcome"])
+        for outcome, n in self.c.local.counters.items():
+            local.add_metric([outcome], n)
+        yield local
         yield GaugeMetricFamily("duplexkv_kv_retained_entries", "Entries held for other workers",
                                 value=st["entries"])
         yield GaugeMetricFamily("duplexkv_kv_retained_blocks", "Blocks held for other workers",

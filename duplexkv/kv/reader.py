@@ -6,9 +6,10 @@ its network jobs and its failure isolation are one concept.
     start(seq, params)     hash the prompt's blocks; a verify job goes to the holder's side
                            channel on a kv-net thread, gated per peer (`peer_gate`)
     verified (poll)        usable = tokens the holder has for exactly this prompt; gain = usable
-                           minus the local prefix hit; below the threshold, expiring soon, no
-                           room -> declined (the holder is told `skip:` with the claim's
-                           token, to free at once);
+                           minus the local prefix hit; a transfer predicted to cost more than
+                           recomputing (or a gain below an explicit threshold: pull_decision),
+                           expiring soon, no room -> declined (the holder is told `skip:` with
+                           the claim's token, to free at once);
                            else blocks are reserved and the READ starts (`done:` on landing)
     READ polled            DONE -> KVLanded; FAILED -> declined (`failed`); heartbeats renew
                            the holder's lease while it runs
@@ -40,7 +41,9 @@ from duplexkv.kv import side_channel
 from duplexkv.kv.auth import KVAuth
 from duplexkv.kv.config import KVTransferConfig
 from duplexkv.kv.holder import notif
+from duplexkv.kv.link_model import LinkModel
 from duplexkv.kv.peer_gate import PeerGate
+from duplexkv.kv.pull_decision import COST_MODEL, decide
 from duplexkv.kv.transport import KVTransport, XferHandle, XferState
 
 log = logging.getLogger(__name__)
@@ -93,6 +96,8 @@ class Reader:
         self.results: queue.SimpleQueue[_Verified] = queue.SimpleQueue()
         # kept, authenticated side-channel sockets: the CURVE handshake is paid once per socket
         self.side = side_channel.ClientPool(self.auth)
+        self.link = LinkModel(cfg.kv_link_prior_rtt_ms, cfg.kv_link_prior_gbps,
+                              cfg.kv_link_assumed_gbps)
 
     def threshold_for(self, p: KVTransferParams) -> int | None:
         """Tokens a pull must gain, or None when these params ask for no pull."""
@@ -101,7 +106,8 @@ class Reader:
         if p.do_remote_prefill:
             return 0  # D leg: P computed this prompt for us; take any gain
         if p.do_remote_decode and self.cfg.bidirectional_kv_xfer:
-            return self.cfg.kv_recompute_threshold
+            t = self.cfg.kv_recompute_threshold
+            return COST_MODEL if t is None else t
         return None
 
     def start(self, seq: Sequence, p: KVTransferParams, threshold: int) -> None:
@@ -147,10 +153,12 @@ class Reader:
         breaker); the result goes to the engine thread through `results`."""
         try:
             info = self._peer(p)
+            t0 = time.perf_counter()
             reply = self.side.request(p.remote_host or "", p.remote_port or 0,
                                       m.Verify(p.remote_request_id or "", hashes, tokens),
                                       m.VerifyReply, self.cfg.connect_timeout_s)
             assert isinstance(reply, m.VerifyReply)
+            self.link.observe_rtt(p.remote_engine_id or "", (time.perf_counter() - t0) * 1e3)
             self.results.put(_Verified(rid, info, reply))
             return True
         except side_channel.BadReply as e:
@@ -236,10 +244,16 @@ class Reader:
         expiry_local = reply.expiry - info.clock_offset
         if expiry_local - time.perf_counter() < self.cfg.expiry_margin_s:
             return self._decline(pull, "expired", notify=info)
-        if gain <= 0 or gain < pull.threshold:
-            return self._decline(pull, "threshold" if gain > 0 else "local_hit", notify=info)
+        if gain <= 0:
+            return self._decline(pull, "local_hit", notify=info)
         first = local // self.bs
         last = self.bm.blocks_needed(usable)
+        dec = decide(pull.threshold, gain, local, (last - first) * self.engine.block_bytes,
+                     self.link.estimate(p.remote_engine_id or ""), self.engine.cost_model)
+        seq.stats.pull_decision = dec.as_dict()
+        self._count_decision(dec)
+        if not dec.pull:
+            return self._decline(pull, dec.reason, notify=info)
         table = self.sched.reserve_for_remote_kv(seq, usable)
         if table is None:
             return self._decline(pull, "no_room", notify=info)
@@ -258,6 +272,15 @@ class Reader:
         pull.state, pull.usable_tokens = "reading", usable
         pull.nbytes = len(remote) * self.engine.block_bytes
         return None
+
+    def _count_decision(self, dec) -> None:
+        c = self.counters["decisions"]
+        key = f"{dec.policy}:{'pull' if dec.pull else 'decline'}"
+        c[key] = c.get(key, 0) + 1
+        if dec.pull:
+            self.counters["predicted_transfer_ms"] += dec.predicted_transfer_ms
+        elif dec.predicted_recompute_ms is not None:
+            self.counters["predicted_recompute_ms"] += dec.predicted_recompute_ms
 
     def _connect(self, p: KVTransferParams, info: side_channel.PeerInfo) -> None:
         if p.remote_engine_id not in self.connected:
@@ -303,6 +326,8 @@ class Reader:
         assert pull.handle is not None
         state = self.transport.poll(pull.handle)
         if state is XferState.DONE:
+            self.link.observe_read(pull.params.remote_engine_id or "", pull.nbytes,
+                                   pull.handle.elapsed_s * 1e3)
             self.transport.release(pull.handle)
             return self._landed(pull)
         if state is XferState.FAILED:
@@ -328,6 +353,8 @@ class Reader:
         c["pulled_tokens"] += gained
         c["pulled_bytes"] += pull.nbytes
         c["transfer_ms"] += ms
+        if seq.stats.pull_decision is not None:
+            seq.stats.pull_decision["actual_transfer_ms"] = round(ms, 3)
         first = None
         if pull.usable_tokens == seq.num_prompt_tokens:  # see _takes_first_token
             c["prefill_first_tokens"] += 1

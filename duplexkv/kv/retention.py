@@ -120,7 +120,8 @@ class RetentionTable:
         self.refused_reads = 0
         self.refused_notifs = 0
         self.released = {"read": 0, "notified": 0, "expired": 0, "capped": 0, "pressure": 0,
-                         "deleted": 0, "abort": 0}
+                         "deleted": 0, "abort": 0,
+                         "local": 0}  # local: its D reused it for the next turn itself
         self.renewals = 0  # "ttl" leases renewed by the router
         self.linked = 0  # "ttl" entries recognised as a later turn of a conversation seen before
         self.generation = 0

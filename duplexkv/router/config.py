@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from duplexkv.router.placement import PlacementConfig
+
 DEFAULT_CONVERSATION_TTL_S = 450.0  # vLLM's sample proxy: below D's decoder_kv_blocks_ttl (480 s)
 
 
@@ -60,6 +62,8 @@ class RouterConfig:
     # never in a repr or a log, only its redacted form) and how often the router reads it
     discovery: str | None = field(default=None, repr=False)
     discovery_interval_s: float = 1.0
+    # where each turn's prefill runs (router/placement.py)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def worker_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.worker_api_key}"} if self.worker_api_key else {}

@@ -100,12 +100,21 @@ class TurnStats:
     decode_source: str | None = None
     retained: bool | None = None  # D returned params for the next turn (None: not known yet)
 
+    # where the prefill ran and why (router/placement.py); None for turns without a conversation
+    placement: str | None = None
+    placement_reason: str | None = None
+    suffix_estimate: int | None = None  # the router's estimate of the new tokens
+
     def as_dict(self) -> dict:
-        return {"conversation": self.conversation, "prefill": self.prefill,
-                "decode": self.decode, "prefill_done_ms": self.prefill_done_ms,
-                "first_token_ms": self.first_token_ms,
-                "source": {"prefill": self.prefill_source, "decode": self.decode_source},
-                "retained": self.retained}
+        out = {"conversation": self.conversation, "prefill": self.prefill,
+               "decode": self.decode, "prefill_done_ms": self.prefill_done_ms,
+               "first_token_ms": self.first_token_ms,
+               "source": {"prefill": self.prefill_source, "decode": self.decode_source},
+               "retained": self.retained}
+        if self.placement is not None:
+            out.update(placement=self.placement, placement_reason=self.placement_reason,
+                       suffix_estimate=self.suffix_estimate)
+        return out
 
 
 def _count(v) -> int | None:

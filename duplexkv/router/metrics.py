@@ -38,6 +38,10 @@ class RouterMetrics:
             "duplexkv_router_reuse", "Replayed turns by the outcome P reported (pulled, "
             "threshold, mismatch, expired, failed, ...; retried = P failed and the turn was "
             "retried as a miss; mixed = P and D are different servers, run as a miss)", ["outcome"], **m)
+        self.placement = Counter(
+            "duplexkv_router_placement", "Conversation turns by where their prefill ran "
+            "(decode_local, prefill_pull, prefill_recompute) and why (router/placement.py)",
+            ["kind", "reason"], **m)
         self.store_errors = Counter("duplexkv_router_store_errors",
                                     "Conversation store operations that failed", ["op"], **m)
         self.upstream_errors = Counter(

@@ -43,6 +43,13 @@ from duplexkv.router.legs import (
     worker_stats,
 )
 from duplexkv.router.metrics import RouterMetrics
+from duplexkv.router.placement import (
+    Placement,
+    choose,
+    local_params,
+    prompt_chars,
+    with_prompt_chars,
+)
 from duplexkv.router.request import ClientRequest
 from duplexkv.router.store import ConversationStore, Entry
 from duplexkv.router.stream import DONE, StreamRelay
@@ -88,6 +95,9 @@ class Turn:
     entry: Entry | None = None
     p_params: dict | None = None
     upstream_s: float = 0.0  # time spent waiting for workers
+    chars: int | None = None  # the prompt's size, for the next turn's suffix estimate
+    placement: Placement | None = None
+    local_d: Backend | None = None  # decode_local: the one D that holds the history
 
 
 class Proxy:
@@ -103,8 +113,44 @@ class Proxy:
 
     async def run(self, turn: Turn) -> Response:
         await self.recall(turn)
+        if turn.key is not None and await self._placed_on_decode(turn):
+            try:
+                return await self._decode(turn)
+            except APIError as e:  # that D is gone: the turn runs as a miss through P
+                if e.status != 503:
+                    raise
+                log.warning("%s: decode_local on %s failed (%s); running it through P",
+                            turn.request_id, turn.local_d.name if turn.local_d else "?", e)
+                self._fall_back_from_local(turn)
         await self.prefill(turn)
-        return await (self.decode_stream(turn) if turn.req.stream else self.decode_json(turn))
+        return await self._decode(turn)
+
+    def _decode(self, turn: Turn):
+        return self.decode_stream(turn) if turn.req.stream else self.decode_json(turn)
+
+    async def _placed_on_decode(self, turn: Turn) -> bool:
+        """Choose where this conversation turn's prefill runs (router/placement.py)."""
+        turn.chars = prompt_chars(turn.req.body)
+        entry = turn.entry
+        d = self.pool.by_url.get(("decode", entry.decode_url)) if entry else None
+        pl = choose(self.cfg.placement, entry.params if entry else None, d, turn.chars)
+        turn.placement = pl
+        turn.stats.placement_reason, turn.stats.suffix_estimate = pl.reason, pl.suffix_tokens
+        if not pl.local:
+            return False
+        assert entry is not None and d is not None
+        turn.local_d, turn.p_params = d, local_params(entry.params)
+        self._placed(turn, "decode_local")
+        return True
+
+    def _placed(self, turn: Turn, kind: str) -> None:
+        turn.stats.placement = kind
+        self.metrics.placement.labels(kind, turn.stats.placement_reason or "").inc()
+
+    def _fall_back_from_local(self, turn: Turn) -> None:
+        self.metrics.placement.labels("decode_local", "decode_local_failed").inc()
+        turn.entry, turn.local_d, turn.p_params = None, None, None
+        turn.stats.conversation, turn.stats.placement_reason = "retried", "decode_local_failed"
 
     async def recall(self, turn: Turn) -> None:
         req = turn.req
@@ -112,7 +158,8 @@ class Proxy:
             req.api_key, req.conversation_id, turn.request_id)
 
     async def remember(self, turn: Turn, d: Backend, params: dict | None) -> None:
-        await self.conversations.remember(turn.key, d.url, params, turn.request_id)
+        await self.conversations.remember(turn.key, d.url, with_prompt_chars(params, turn.chars),
+                                          turn.request_id)
 
     # upstream calls
     def _headers(self, turn: Turn) -> dict[str, str]:
@@ -245,9 +292,16 @@ class Proxy:
             turn.p_params = rewrite_remote_host(turn.p_params, p.url)
         if replayed:
             self.metrics.reuse_outcome(stats.prefill)
+        if turn.key is not None:
+            pulled = (stats.prefill or {}).get("pull_outcome") == "pulled"
+            self._placed(turn, "prefill_pull" if pulled else "prefill_recompute")
 
     # D leg
     def _decode_candidates(self, turn: Turn):
+        if turn.local_d is not None:  # decode_local: only the D that holds the history
+            turn.local_d.picks += 1
+            yield turn.local_d
+            return
         tried: set[Backend] = set()
         preferred = turn.entry.decode_url if turn.entry else None
         for _ in range(len(self.pool.decode)):

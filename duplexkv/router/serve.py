@@ -11,6 +11,7 @@ import sys
 from duplexkv.discovery.record import DISCOVERY_ENV, discovery_url
 from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, check_key, keys_from
 from duplexkv.router.config import DEFAULT_CONVERSATION_TTL_S, RouterConfig
+from duplexkv.router.placement import PlacementConfig
 
 log = logging.getLogger("duplexkv.router")
 
@@ -85,6 +86,15 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--keepalive-seconds", type=float, default=60.0, metavar="S",
                    help="how long POST /v1/conversations/{id}/keepalive keeps a conversation "
                         "active when its body names no `seconds` (default 60)")
+    p.add_argument("--placement", choices=("prefill", "auto"), default="prefill",
+                   help="where a conversation's turn is prefilled: 'prefill' (default: always on "
+                        "a P worker, pulling the history from D) or 'auto' (on the conversation's "
+                        "own D when it holds the history, the suffix is small and D is not busy)")
+    p.add_argument("--decode-local-max-tokens", type=int, default=4096, metavar="N",
+                   help="with --placement auto: largest estimated new suffix D prefills itself")
+    p.add_argument("--decode-local-max-outstanding", type=int, default=4, metavar="N",
+                   help="with --placement auto: D takes a turn's prefill only while it has fewer "
+                        "requests than this in flight")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run_router)
     return p
@@ -105,7 +115,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         lease_renew_period_s=args.lease_renew_period, keepalive_s=args.keepalive_seconds,
         api_keys=keys_from(args.api_key), worker_api_key=worker_key(args.worker_api_key),
         discovery=discovery.url if discovery is not None else None,
-        discovery_interval_s=args.discovery_interval)
+        discovery_interval_s=args.discovery_interval,
+        placement=PlacementConfig(args.placement, args.decode_local_max_tokens,
+                                  args.decode_local_max_outstanding))
 
 
 def worker_key(flag: str | None) -> str | None:

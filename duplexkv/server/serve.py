@@ -74,6 +74,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` on every endpoint but /health and "
                         "/metrics; repeat for several keys (default: the comma-separated keys in "
                         "$DUPLEXKV_API_KEY, else none)")
+    p.add_argument("--cost-calibration-s", type=float, default=2.0, metavar="S",
+                   help="time budget of the prefill cost model's start-up calibration (the KV "
+                        "pull decision); 0 skips it (the model then learns from real prefills)")
     add_discovery_args(p)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run_serve)
@@ -123,6 +126,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from duplexkv.server.kv_hook import attach_kv_transfer
 
     engine = LLMEngine(config)
+    if args.cost_calibration_s > 0:
+        engine.calibrate(args.cost_calibration_s)
     aeng = AsyncEngine(engine)
     aeng.start()
     try:

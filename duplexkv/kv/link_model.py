@@ -1,0 +1,85 @@
+"""What a READ from each peer costs, as this reader has seen it: round-trip time and bandwidth.
+
+    rtt        the peer's verify round trips (side channel), min over the last WINDOW
+    bandwidth  bytes / time of the READs from it, max over the last WINDOW
+    prior      before a peer's first sample: `prior_rtt_ms`, `prior_gbps` (config)
+    assumed    `assumed_gbps` > 0 replaces every measured bandwidth (a stand-in for a shaped link
+               when none is at hand, e.g. on loopback; the multi-host harness shapes real ones)
+Min and max filters (as BBR uses) because the samples are taken where the engine thread polls:
+a READ that finished while a long prefill step ran looks slower than it was, never faster, and
+the best recent sample is the link's. Updated from kv-net threads (rtt) and the engine thread
+(bandwidth), read on the engine thread: guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+WINDOW = 8
+MAX_PEERS = 1024
+
+
+@dataclass(slots=True)
+class _Peer:
+    rtts_ms: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    bytes_per_ms: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+
+@dataclass(frozen=True, slots=True)
+class LinkEstimate:
+    rtt_ms: float
+    gbps: float
+    measured: bool  # from this peer's samples (else the prior or the assumed bandwidth)
+
+    def transfer_ms(self, nbytes: int) -> float:
+        """Verify round trip + the READ of `nbytes`."""
+        return self.rtt_ms + nbytes * 8 / (self.gbps * 1e6)
+
+
+class LinkModel:
+    def __init__(self, prior_rtt_ms: float = 1.0, prior_gbps: float = 10.0,
+                 assumed_gbps: float = 0.0) -> None:
+        if prior_rtt_ms < 0 or prior_gbps <= 0 or assumed_gbps < 0:
+            raise ValueError("link priors must be positive")
+        self.prior_rtt_ms, self.prior_gbps, self.assumed_gbps = prior_rtt_ms, prior_gbps, \
+            assumed_gbps
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+
+    def _peer(self, peer: str) -> _Peer:
+        p = self._peers.get(peer)
+        if p is None:
+            if len(self._peers) >= MAX_PEERS:
+                self._peers.pop(next(iter(self._peers)))
+            p = self._peers[peer] = _Peer()
+        return p
+
+    def observe_rtt(self, peer: str, ms: float) -> None:
+        if ms >= 0:
+            with self._lock:
+                self._peer(peer).rtts_ms.append(ms)
+
+    def observe_read(self, peer: str, nbytes: int, ms: float) -> None:
+        if nbytes > 0 and ms > 0:
+            with self._lock:
+                self._peer(peer).bytes_per_ms.append(nbytes / ms)
+
+    def estimate(self, peer: str) -> LinkEstimate:
+        with self._lock:
+            p = self._peers.get(peer)
+            rtt = min(p.rtts_ms) if p and p.rtts_ms else self.prior_rtt_ms
+            bw = max(p.bytes_per_ms) * 8 / 1e6 if p and p.bytes_per_ms else None
+        if self.assumed_gbps > 0:
+            return LinkEstimate(rtt, self.assumed_gbps, False)
+        return LinkEstimate(rtt, bw if bw else self.prior_gbps, bw is not None)
+
+    def state(self) -> dict:
+        with self._lock:
+            peers = list(self._peers)
+        return {"prior_rtt_ms": self.prior_rtt_ms, "prior_gbps": self.prior_gbps,
+                "assumed_gbps": self.assumed_gbps or None,
+                "peers": {k: {"rtt_ms": round(e.rtt_ms, 3), "gbps": round(e.gbps, 3),
+                              "measured": e.measured}
+                          for k in peers[:16] for e in (self.estimate(k),)}}

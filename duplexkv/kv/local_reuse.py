@@ -1,0 +1,89 @@
+"""D-local suffix prefill: a conversation's next turn runs on the D that holds its history.
+
+The router (router/placement.py) sends the turn straight to the D that retained the previous
+turn, with that turn's params and `"decode_local": true`. D then checks its own retained entry
+against the new prompt exactly as a P reader would (the holder's chained block hashes, then token
+by token in the first block that differs: retention.match_tokens) and starts the request from the
+verified blocks, as a local prefix; only the new suffix is prefilled, in chunks between the
+decodes of the other requests (the scheduler's chunked prefill). The old entry is released at
+once (the new turn is retained in its place when it finishes).
+
+    params check   our own engine id; signed when the cluster has a secret (auth.py)
+    entry          unknown / mismatch -> the whole prompt is computed here (still correct)
+    blocks         full blocks of the match; the entry's unfinished last block too when the match
+                   covers it and nobody else holds it (the new tokens are written after the
+                   verified ones in it); never a full (cached) block the match stops inside
+Every outcome is in `kv_stats.decode_local` and counted (`duplexkv_kv_decode_local`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from duplexkv.engine.block_manager import BlockManager, hash_token_blocks
+from duplexkv.engine.kv_transfer import KVTransferParams
+from duplexkv.engine.scheduler import Scheduler
+from duplexkv.engine.sequence import Sequence
+from duplexkv.kv.auth import SIGNATURE_KEY, KVAuth, signed_fields
+from duplexkv.kv.holder import Holder
+from duplexkv.kv.retention import match_tokens
+
+DECODE_LOCAL_KEY = "decode_local"
+OUTCOMES = ("reused", "mismatch", "unknown", "untrusted", "other_engine")
+
+
+def is_decode_local(p: KVTransferParams) -> bool:
+    return p.extra.get(DECODE_LOCAL_KEY) is True
+
+
+class LocalReuse:
+    def __init__(self, holder: Holder, bm: BlockManager, scheduler: Scheduler, engine_id: str,
+                 auth: KVAuth) -> None:
+        self.holder, self.bm, self.sched = holder, bm, scheduler
+        self.engine_id, self.auth = engine_id, auth
+        self.counters = dict.fromkeys(OUTCOMES, 0)
+        self.reused_tokens = 0
+
+    def adopt(self, seq: Sequence, p: KVTransferParams) -> str:
+        """Start `seq` from our retained entry named by `p` (before it is queued)."""
+        outcome, verified, reused = self._adopt(seq, p)
+        self.counters[outcome] += 1
+        self.reused_tokens += reused
+        seq.stats.decode_local = {"outcome": outcome, "verified_tokens": verified,
+                                  "reused_tokens": reused}
+        return outcome
+
+    def _adopt(self, seq: Sequence, p: KVTransferParams) -> tuple[str, int, int]:
+        if p.remote_engine_id != self.engine_id:
+            return "other_engine", 0, 0  # e.g. D restarted: compute here
+        if self.auth.enabled and not self.auth.verify(signed_fields(p),
+                                                      p.extra.get(SIGNATURE_KEY)):
+            return "untrusted", 0, 0
+        table = self.holder.retained
+        entry = table.get(p.remote_request_id or "")
+        if entry is None:
+            return "unknown", 0, 0
+        bs = self.bm.block_size
+        tokens = seq.prompt_token_ids[: len(entry.token_ids)]
+        matched = match_tokens(entry, hash_token_blocks(self.bm.seed, tokens, bs), tokens, bs)
+        usable = min(matched, seq.num_prompt_tokens - 1)
+        if usable <= 0:
+            return "mismatch", matched, 0
+        nblocks = self.bm.blocks_needed(usable)
+        if usable % bs:
+            # the new tokens go into the block after the verified ones: only into the entry's
+            # own unfinished last block (no hash: in no prefix cache) that nobody else holds;
+            # a full block whose match stops inside it is cached and shared, never written
+            last = self.bm.blocks[entry.block_ids[nblocks - 1]]
+            if last.hash or last.ref_count != 1 or entry.claimed(time.perf_counter()):
+                usable, nblocks = (usable // bs) * bs, usable // bs
+        if usable > 0:
+            self.sched.adopt_prefix(seq, entry.block_ids[:nblocks], usable)
+        # the new turn replaces the old one (retained again when it finishes)
+        gone = table.pop(entry.request_id, "local")
+        if gone is not None:
+            self.bm.unpin(gone.block_ids)
+        return "reused", matched, usable
+
+    def state(self) -> dict:
+        return {**self.counters, "reused_tokens": self.reused_tokens}
