@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 from test_router import MODEL, SYSTEM, bidi, chat, conv, start_router, user
-from workers import start_p_and_d
+from workers import start_p_and_d, stopping
 
 W1, W2 = "sk-worker-one-7f3a", "sk-worker-two-91c4"  # the workers' keys; the router uses W2
 R1, R2 = "sk-router-one-0b2e", "sk-router-two-5d8f"  # the router's client keys
@@ -57,10 +57,9 @@ def workers(tiny_model_dir, tmp):
 @pytest.fixture(scope="module")
 def router(workers, tmp):
     p, d = workers
-    r = start_router(tmp / "router.log", [p.url], [d.url], "--api-key", R1, "--api-key", R2,
-                     "--worker-api-key", W2)
-    yield r
-    r.stop()
+    with stopping(start_router(tmp / "router.log", [p.url], [d.url], "--api-key", R1, "--api-key", R2,
+                     "--worker-api-key", W2)) as r:
+        yield r
 
 
 @pytest.mark.parametrize("role", ["prefill_by_flag", "decode_by_env"])

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from test_router import SYSTEM, bidi, chat, conv, metric, start_router, user
 from test_router import oracle  # noqa: F401,F811 - the fixture
-from workers import start_p_and_d, start_worker, wait_for
+from workers import start_p_and_d, start_worker, stopping, wait_for
 
 from duplexkv.kv.config import KVTransferConfig
 
@@ -29,20 +29,17 @@ def tmp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir, tmp):
-    p, d = start_p_and_d(tiny_model_dir, tmp, *ARGS,
-                         kv=bidi(decoder_kv_lease_duration=LEASE, decoder_kv_blocks_ttl=TTL))
-    yield p, d
-    for w in (p, d):
-        w.stop()
+    with stopping(*start_p_and_d(tiny_model_dir, tmp, *ARGS,
+                         kv=bidi(decoder_kv_lease_duration=LEASE, decoder_kv_blocks_ttl=TTL))) as workers:
+        yield workers
 
 
 @pytest.fixture(scope="module")
 def router(workers, tmp):
     p, d = workers
-    r = start_router(tmp / "router.log", [p.url], [d.url], "--api-key", R1, "--api-key", R2,
-                     "--lease-renew-period", "0.3", "--keepalive-seconds", "5")
-    yield r
-    r.stop()
+    with stopping(start_router(tmp / "router.log", [p.url], [d.url], "--api-key", R1, "--api-key", R2,
+                     "--lease-renew-period", "0.3", "--keepalive-seconds", "5")) as r:
+        yield r
 
 
 def lifecycle(router, method: str, conv_id: str, key: str | None, body: dict | None = None,

@@ -27,7 +27,9 @@ ok, why = can_build()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
 
 ARGS = ("--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "2048")
-KV_EXTRA = {"read_timeout_s": 2.0}
+# the fixed 64-token rule: on the tiny model the cost model rightly recomputes most histories,
+# and these tests are about moving KV across hosts (tests/test_cost_model.py tests the model)
+KV_EXTRA = {"read_timeout_s": 2.0, "kv_recompute_threshold": 64}
 ROUTER_ARGS = ("--health-interval", "0.5", "--health-timeout", "1", "--connect-timeout", "0.5",
                "--store-timeout", "0.3")
 SYSTEM = "You are a careful coding agent. Read the tool output, then answer with the next command."

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 from test_router import ARGS, OUT, SYSTEM, bidi, chat, start_router, user
-from workers import start_p_and_d
+from workers import start_p_and_d, stopping
 
 
 @pytest.fixture(scope="module")
@@ -19,18 +19,15 @@ def tmp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir, tmp):
-    p, d = start_p_and_d(tiny_model_dir, tmp, *ARGS, kv=bidi())
-    yield p, d
-    for w in (p, d):
-        w.stop()
+    with stopping(*start_p_and_d(tiny_model_dir, tmp, *ARGS, kv=bidi())) as workers:
+        yield workers
 
 
 @pytest.fixture(scope="module")
 def router(workers, tmp):
     p, d = workers
-    r = start_router(tmp / "router.log", [p.url], [d.url], "--placement", "auto")
-    yield r
-    r.stop()
+    with stopping(start_router(tmp / "router.log", [p.url], [d.url], "--placement", "auto")) as r:
+        yield r
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +54,7 @@ def test_decode_local_turns_match_reuse_off(router, workers, oracle, stream):
                            reason="history_on_decode")
     pulls_before = p.kv()["counters"]["pulls"]
     messages = [{"role": "system", "content": SYSTEM}]
+    prev_tokens = 0  # the tokens of the previous turn's prompt and answer, in whole blocks
     for t in range(4):
         messages.append(user(t))
         text, stats = chat(client, messages, conv_id, stream)

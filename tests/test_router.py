@@ -28,6 +28,7 @@ from workers import (
     skip_or_fail,
     start_p_and_d,
     start_worker,
+    stopping,
     worker_env,
 )
 
@@ -138,18 +139,15 @@ def tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir, tmp):
-    p, d = start_p_and_d(tiny_model_dir, tmp, *ARGS, kv=bidi())
-    yield p, d
-    for w in (p, d):
-        w.stop()
+    with stopping(*start_p_and_d(tiny_model_dir, tmp, *ARGS, kv=bidi())) as workers:
+        yield workers
 
 
 @pytest.fixture(scope="module")
 def router(workers, tmp):
     p, d = workers
-    r = start_router(tmp / "router.log", [p.url], [d.url])
-    yield r
-    r.stop()
+    with stopping(start_router(tmp / "router.log", [p.url], [d.url])) as r:
+        yield r
 
 
 def conv() -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 from test_router import ARGS, MODEL, _free_port, bidi, start_router
-from workers import start_p_and_d
+from workers import start_p_and_d, stopping
 
 from duplexkv.router.breaker import Breaker, BreakerOpen
 from duplexkv.router.store import GuardedStore, MemoryStore
@@ -40,18 +40,15 @@ def tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir, tmp):
-    p, d = start_p_and_d(tiny_model_dir, tmp, *ARGS, kv=bidi())
-    yield p, d
-    for w in (p, d):
-        w.stop()
+    with stopping(*start_p_and_d(tiny_model_dir, tmp, *ARGS, kv=bidi())) as workers:
+        yield workers
 
 
 @pytest.fixture(scope="module")
 def router(workers, tmp):
     p, d = workers
-    r = start_router(tmp / "router.log", [p.url], [d.url])
-    yield r
-    r.stop()
+    with stopping(start_router(tmp / "router.log", [p.url], [d.url])) as r:
+        yield r
 
 
 def post_raw(url: str, content: bytes, headers: dict | None = None,

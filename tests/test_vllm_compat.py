@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_router import MODEL, SYSTEM, bidi, chat, conv, start_router, user
-from workers import start_p_and_d
+from workers import start_p_and_d, stopping
 
 import duplexkv
 from duplexkv.http.request_fields import UnknownFields
@@ -58,10 +58,9 @@ def workers(tiny_model_dir, tmp):
 @pytest.fixture(scope="module")
 def router(workers, tmp):
     p, d = workers
-    r = start_router(tmp / "router.log", [p.url], [d.url], "--api-key", RKEY,
-                     "--worker-api-key", WKEY)
-    yield r
-    r.stop()
+    with stopping(start_router(tmp / "router.log", [p.url], [d.url], "--api-key", RKEY,
+                     "--worker-api-key", WKEY)) as r:
+        yield r
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -130,6 +131,17 @@ def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = Non
         time.sleep(0.1)
     proc.kill()
     raise TimeoutError(f"worker not ready after {timeout_s}s:\n{log.read_text()}")
+
+
+@contextlib.contextmanager
+def stopping(*procs):
+    """`with stopping(a, b) as (a, b)` / `with stopping(r) as r`: stopped on the way out (a
+    module fixture's `yield` inside it)."""
+    try:
+        yield procs if len(procs) > 1 else procs[0]
+    finally:
+        for proc in procs:
+            proc.stop()
 
 
 def start_p_and_d(model: str | Path, tmp: Path, *args: str, kv: dict, p_args: tuple = (),

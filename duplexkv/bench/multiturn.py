@@ -47,6 +47,7 @@ from duplexkv.engine.dtype import DTYPE_CHOICES
 from duplexkv.launch import LaunchError
 from duplexkv.model.registry import resolve_model
 
+CONNECTORS = ("TcpConnector", "NixlConnector")
 WARMUP = Sizes(32, (80, 96), (4, 4), max_turns=2)
 
 
@@ -228,13 +229,11 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--url", help="a running router (default: launch a cluster)")
     m.add_argument("--ideal-url", help="with --url: a single worker with prefix caching on")
     m.add_argument("--model", default="bench", help="model to launch (default: bench)")
-    m.add_argument("--tokenizer", help="model dir whose tokenizer sizes the texts "
-                                       "(default: --model's)")
+    m.add_argument("--tokenizer", help="model dir sizing the texts (default: --model's)")
     m.add_argument("--workload", default="agentic",
                    help="agentic (default), chat, or a JSON file of conversations")
     m.add_argument("--max-context", type=int, default=16384, metavar="TOKENS")
-    m.add_argument("--conversations", type=int,
-                   help="conversations per mode (default: 1, or all of a file's)")
+    m.add_argument("--conversations", type=int, help="per mode (default: 1, or all of a file's)")
     m.add_argument("--clients", type=int, default=1, help="conversations at once")
     m.add_argument("--idle", type=float, default=0.0, metavar="S",
                    help="wait between the turns of a conversation")
@@ -244,19 +243,16 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="tokens each turn adds (tool result / user message)")
     m.add_argument("--answer-tokens", type=int, nargs=2, metavar=("MIN", "MAX"))
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--kv-connector", default="TcpConnector",
-                   choices=("TcpConnector", "NixlConnector"))
+    m.add_argument("--kv-connector", default="TcpConnector", choices=CONNECTORS)
     m.add_argument("--placement", choices=("prefill", "auto"), default="prefill",
-                   help="the launched router's --placement (router/placement.py)")
+                   help="the launched router's")
     m.add_argument("--kv-recompute-threshold", type=int, default=None, metavar="TOKENS",
                    help="the launched workers' fixed pull rule (default: their cost model)")
     m.add_argument("--dtype", choices=DTYPE_CHOICES, help="the launched workers' (default auto)")
-    m.add_argument("--output-dir", type=Path,
-                   help="results and worker logs (default: out/multiturn-DATE-TIME)")
+    m.add_argument("--output-dir", type=Path, help="default: out/multiturn-DATE-TIME")
     m.add_argument("--no-warmup", dest="warmup", action="store_false")
     m.add_argument("--reverse", action="store_true",
-                   help="run the modes in reverse order (ideal, on, off): the modes run one after "
-                        "another, so run once each way and compare to see drift between phases")
+                   help="modes in reverse (ideal, on, off): run once each way to see drift")
     m.set_defaults(run=run_multiturn)
 
 
