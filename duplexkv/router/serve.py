@@ -72,9 +72,10 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                         "for S seconds, then let one call probe it (default 5)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` from clients on every endpoint but "
-                        "/health and /metrics, and namespace conversations by the key; repeat for "
-                        f"several keys (default: the comma-separated keys in ${API_KEY_ENV}, "
-                        "else none: open, and conversation ids shared by all clients)")
+                        "/health, /metrics and /version, and namespace conversations by the "
+                        f"key; repeat for several keys (default: the comma-separated keys in "
+                        f"${API_KEY_ENV}, else none: open, and conversation ids shared by all "
+                        "clients)")
     p.add_argument("--worker-api-key", default=None, metavar="KEY",
                    help="the key the router sends to the workers (`Authorization: Bearer KEY` on "
                         f"every leg and /v1/models; default ${WORKER_API_KEY_ENV}, else none: "

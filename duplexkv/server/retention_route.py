@@ -1,7 +1,7 @@
 """`POST /v1/kv/retention` on a worker with KV transfer: the router renews the leases of the
 conversations it sees active, deletes those that are over, and learns which entries this worker
 has released (http/retention_sync.py has the wire format). Behind the worker's API key (the
-router's `--worker-api-key`), like every path but /health and /metrics."""
+router's `--worker-api-key`), like every path but /health, /metrics and /version."""
 
 from __future__ import annotations
 

@@ -71,9 +71,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="largest request body accepted (413 above it; default: 32 bytes per "
                         "token of max-model-len + 4 MiB)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="require `Authorization: Bearer KEY` on every endpoint but /health and "
-                        "/metrics; repeat for several keys (default: the comma-separated keys in "
-                        "$DUPLEXKV_API_KEY, else none)")
+                   help="require `Authorization: Bearer KEY` on every endpoint but /health, "
+                        "/metrics and /version; repeat for several keys (default: the "
+                        "comma-separated keys in $DUPLEXKV_API_KEY, else none)")
     p.add_argument("--cost-calibration-s", type=float, default=2.0, metavar="S",
                    help="time budget of the prefill cost model's start-up calibration (the KV "
                         "pull decision); 0 skips it (the model then learns from real prefills)")
