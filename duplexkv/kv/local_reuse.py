@@ -18,8 +18,6 @@ Every outcome is in `kv_stats.decode_local` and counted (`duplexkv_kv_decode_loc
 
 from __future__ import annotations
 
-import time
-
 from duplexkv.engine.block_manager import BlockManager, hash_token_blocks
 from duplexkv.engine.kv_transfer import KVTransferParams
 from duplexkv.engine.scheduler import Scheduler
@@ -75,7 +73,7 @@ class LocalReuse:
             # own unfinished last block (no hash: in no prefix cache) that nobody else holds;
             # a full block whose match stops inside it is cached and shared, never written
             last = self.bm.blocks[entry.block_ids[nblocks - 1]]
-            if last.hash or last.ref_count != 1 or entry.claimed(time.perf_counter()):
+            if last.hash or last.ref_count != 1 or entry.claimed(table.clock()):
                 usable, nblocks = (usable // bs) * bs, usable // bs
         if usable > 0:
             self.sched.adopt_prefix(seq, entry.block_ids[:nblocks], usable)
