@@ -25,6 +25,7 @@ from workers import (
     DUPLEXKV,
     NO_KEYS,
     kv_config,
+    send_json,
     skip_or_fail,
     start_p_and_d,
     start_worker,
@@ -455,12 +456,7 @@ class _Answers503:
 
         class Handler(BaseHTTPRequestHandler):
             def _send(self, status: int, body: dict) -> None:
-                raw = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+                send_json(self, status, body)
 
             def do_GET(self):  # noqa: N802
                 self._send(200, {"status": "ok"})

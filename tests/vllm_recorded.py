@@ -27,6 +27,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from workers import send_json
+
 MODEL = "Qwen/Qwen3-0.6B"
 
 P_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False,
@@ -95,12 +97,7 @@ class VllmStub:
             protocol_version = "HTTP/1.1"
 
             def _json(self, status: int, body: dict) -> None:
-                raw = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+                send_json(self, status, body)
 
             def do_GET(self):  # noqa: N802
                 if self.path == "/v1/models":

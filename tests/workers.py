@@ -133,6 +133,16 @@ def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = Non
     raise TimeoutError(f"worker not ready after {timeout_s}s:\n{log.read_text()}")
 
 
+def send_json(handler, status: int, body: dict) -> None:
+    """A stand-in server's JSON answer (`http.server.BaseHTTPRequestHandler`)."""
+    raw = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("content-type", "application/json")
+    handler.send_header("content-length", str(len(raw)))
+    handler.end_headers()
+    handler.wfile.write(raw)
+
+
 @contextlib.contextmanager
 def stopping(*procs):
     """`with stopping(a, b) as (a, b)` / `with stopping(r) as r`: stopped on the way out (a
