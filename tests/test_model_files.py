@@ -1,5 +1,6 @@
 """duplexkv.model: synthetic model files, loader, tokenizer, registry, `make-model` CLI."""
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -15,7 +16,8 @@ from duplexkv.cli import main
 from duplexkv.model.config import ModelLoadError
 from duplexkv.model.loader import expected_weight_shapes, load_config, load_weights
 from duplexkv.model.presets import PRESETS
-from duplexkv.model.registry import cache_dir, resolve_model
+from duplexkv.model import registry
+from duplexkv.model.registry import cache_dir, preset_dir, resolve_model
 from duplexkv.model.synth import make_model, stdlib_corpus
 from duplexkv.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -191,7 +193,7 @@ def test_load_config_variants(tiny_model_dir: Path, tmp_path: Path) -> None:
     write_config(d, architectures=["LlamaForCausalLM"], model_type="llama", head_dim=None,
                  rope_parameters=None, rope_theta=1e4)
     c = load_config(d)
-    assert (c.architecture, c.head_dim, c.qk_norm, c.attention_bias) == ("llama", 16, False, False)
+    assert (c.architecture, c.head_dim, c.qk_norm, c.attention_bias) == ("llama", 32, False, False)
     assert "model.layers.0.self_attn.q_norm.weight" not in expected_weight_shapes(c)
     write_config(d, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
     c = load_config(d)
@@ -291,7 +293,7 @@ def test_resolve_model(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> Non
     monkeypatch.setenv("DUPLEXKV_CACHE_DIR", str(tmp_path / "cache"))
     assert resolve_model(tiny_model_dir) == tiny_model_dir
     made = resolve_model("tiny")
-    assert made == tmp_path / "cache" / "models" / "tiny-seed0"
+    assert made == preset_dir("tiny") and made.parent == tmp_path / "cache" / "models"
     assert (made / "model.safetensors").read_bytes() == (
         tiny_model_dir / "model.safetensors").read_bytes()
     assert resolve_model("tiny") == made
@@ -300,10 +302,35 @@ def test_resolve_model(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> Non
     assert "config.json" in str(e.value) and "bench, tiny" in str(e.value)
 
 
+def test_a_preset_cached_by_an_older_version_is_never_loaded(tmp_path: Path, tiny_model_dir: Path,
+                                                             monkeypatch) -> None:
+    """An upgrade that changes a preset (tiny was 4 heads x 16) must not load the model an older
+    version left in the cache under the same preset name: the directory is named by content."""
+    monkeypatch.setenv("DUPLEXKV_CACHE_DIR", str(tmp_path))
+    old_cfg = dataclasses.replace(PRESETS["tiny"], num_heads=4, num_kv_heads=2, head_dim=16)
+    stale = copy_model(tiny_model_dir, tmp_path / "models" / "tiny-seed0")  # the old name
+    cfg = json.loads((stale / "config.json").read_text())
+    cfg.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    (stale / "config.json").write_text(json.dumps(cfg))
+    assert load_config(stale) == old_cfg
+    made = resolve_model("tiny")
+    assert load_config(made) == PRESETS["tiny"]
+    assert (made / "model.safetensors").read_bytes() == (
+        tiny_model_dir / "model.safetensors").read_bytes()
+    # another config or generator version is another directory; the same content the same one
+    assert preset_dir("tiny") == made and preset_dir("tiny", seed=1) != made
+    monkeypatch.setitem(PRESETS, "tiny", old_cfg)
+    assert preset_dir("tiny") != made
+    monkeypatch.undo()
+    monkeypatch.setenv("DUPLEXKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(registry, "SYNTH_VERSION", registry.SYNTH_VERSION + 1)
+    assert preset_dir("tiny") != made
+
+
 def test_cli_make_model(tmp_path: Path, capsys) -> None:
     assert main(["make-model", str(tmp_path / "m"), "--preset", "tiny"]) == 0
     out = capsys.readouterr().out
-    assert str(tmp_path / "m") in out and "360,832 parameters" in out
+    assert str(tmp_path / "m") in out and "360,896 parameters" in out
     assert load_config(tmp_path / "m") == PRESETS["tiny"]
     with pytest.raises(SystemExit) as e:
         main(["make-model", str(tmp_path / "x"), "--preset", "huge"])

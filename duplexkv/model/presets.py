@@ -2,6 +2,12 @@
 
 `bench` is the benchmark model (40.5 M parameters, bf16 on disk); `tiny` keeps a test suite of many
 generations fast (0.4 M parameters, fp32 on disk so engine-vs-transformers comparisons are exact).
+Both use head sizes vLLM's CPU attention supports (32, 64, 80, ...), so vLLM serves them too; tiny's
+2 query heads share 1 KV head (GQA, as bench's 8 share 2).
+
+A preset's cache directory is named by a digest of its config and SYNTH_VERSION (registry.py), so a
+changed preset or generator never loads a model made by an older version: bump SYNTH_VERSION with
+any change to what `synth.make_model` writes for the same config.
 """
 
 from __future__ import annotations
@@ -32,9 +38,9 @@ PRESETS: dict[str, ModelConfig] = {
         hidden_size=64,
         intermediate_size=192,
         num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
         rope_theta=1e6,
         rms_norm_eps=1e-6,
         max_position_embeddings=4096,
@@ -45,6 +51,7 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 DEFAULT_PRESET = "bench"
+SYNTH_VERSION = 1  # of synth.py's output for a given config (tokenizer, weights, files)
 
 
 def get_preset(name: str) -> ModelConfig:

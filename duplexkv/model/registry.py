@@ -3,13 +3,16 @@ Hugging Face hub id found in the local HF cache (never downloaded; `hf_cache.py`
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
+import hashlib
+import json
 import os
 from pathlib import Path
 
 from duplexkv.model.config import ModelLoadError
 from duplexkv.model.hf_cache import hub_cache_dir, is_repo_id, snapshot_dir
-from duplexkv.model.presets import PRESETS
+from duplexkv.model.presets import PRESETS, SYNTH_VERSION, get_preset
 
 
 def cache_dir() -> Path:
@@ -20,7 +23,12 @@ def cache_dir() -> Path:
 
 
 def preset_dir(preset: str, seed: int = 0) -> Path:
-    return cache_dir() / "models" / f"{preset}-seed{seed}"
+    """Named by the preset's content, not only its name: a cache made before a preset or the
+    generator changed is never taken for the current model (a new directory is made beside it)."""
+    content = json.dumps({"config": dataclasses.asdict(get_preset(preset)),
+                          "synth_version": SYNTH_VERSION}, sort_keys=True)
+    digest = hashlib.sha256(content.encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{preset}-seed{seed}-{digest}"
 
 
 def resolve_model(name_or_dir: str | Path, revision: str | None = None) -> Path:

@@ -19,12 +19,14 @@ generator seeded by (seed, crc32(name)):
                  E_x . diag(g) . E_x, so "repeat the current token" is not favoured
 Measured with transformers in float32, 20 random-token prompts x 32 greedy steps (seed 0):
   top1-top2 gap  min / p1 / p5 / p25 / median   steps < 0.05   distinct tokens of 32 (mean, min)
-  tiny           0.008 / 0.056 / 0.28 / 2.0 / 4.4   5 of 640       21.5, 8
+  tiny           0.004 / 0.069 / 0.30 / 1.6 / 3.7   3 of 640       23.1, 19
   bench          0.015 / 0.075 / 0.29 / 1.6 / 4.0   4 of 640       27.1, 23
-No eos emitted. Changing the 3rd prompt token changes all 20 continuations (mostly at the first new
-token). The next token after a 40-token prompt differs for 25-30 of 30 prompts with RoPE theta 1e4
-instead of 1e6, with all positions 0, or with the first 16 tokens dropped; shifting all positions by
-1000 changes none (RoPE is relative). bf16 is not exact: computing bench in bf16 instead of fp32
+(tiny with 2 heads x head_dim 32 and 1 KV head; its earlier 4 x 16 with 2 KV heads measured
+0.008 / 0.056 / 0.28 / 2.0 / 4.4, 5 of 640, 21.5, 8.) No eos emitted. Changing the 3rd prompt token
+changes all 20 continuations (mostly at the first new token). The next token after a 40-token prompt
+differs for 21-30 of 30 prompts with RoPE theta 1e4 instead of 1e6, with all positions 0, or with the
+first 16 tokens dropped (tiny: 26, 21, 26); shifting all positions by 1000 changes none (RoPE is
+relative). bf16 is not exact: computing bench in bf16 instead of fp32
 (same bf16 weights) changes a greedy continuation after ~20 steps on median (bf16 logits alone are
 quantised to ~0.1 at this scale), so exact-match tests should run float32.
 
