@@ -302,6 +302,18 @@ def test_resolve_model(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> Non
     assert "config.json" in str(e.value) and "bench, tiny" in str(e.value)
 
 
+# vllm/v1/attention/backends/cpu_attn.py, CPUAttentionBackend.get_supported_head_sizes (0.32.0)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def test_presets_are_loadable_by_vllms_cpu_attention() -> None:
+    """tiny was 4 heads x 16, which vLLM's CPU attention refuses; scripts/vllm_interop.sh serves
+    it with real vLLM. GQA stays (query heads > KV heads), as the engine's folded path needs."""
+    for name, cfg in PRESETS.items():
+        assert cfg.head_dim in VLLM_CPU_HEAD_SIZES, name
+        assert cfg.num_heads > cfg.num_kv_heads, name
+
+
 def test_a_preset_cached_by_an_older_version_is_never_loaded(tmp_path: Path, tiny_model_dir: Path,
                                                              monkeypatch) -> None:
     """An upgrade that changes a preset (tiny was 4 heads x 16) must not load the model an older
