@@ -116,18 +116,29 @@ def read(w, name: str, **labels) -> float:
     return metric(w.get("/metrics").text, name, **dict(sorted(labels.items())))
 
 
-def test_disconnect_aborts_every_choice_and_frees_their_blocks(worker):
-    aborted = read(worker, "vllm:request_success_total", finished_reason="abort")
-    b = body(n=4, max_tokens=400, temperature=HOT, seed=1, stream=True)
-    with httpx.stream("POST", worker.url + "/v1/completions", json=b, timeout=60) as r:
+def stream_until_every_choice_started(url: str, b: dict, then) -> None:
+    """Stream `b`, read until each of its n choices has sent a chunk, call `then()` (the
+    connection still open), then close it."""
+    with httpx.stream("POST", url + "/v1/completions", json=b, timeout=60) as r:
         seen, lines = set(), r.iter_lines()  # kept: a closed iterator closes the response
         for line in lines:
             if line.startswith("data: {"):
                 seen.update(c["index"] for c in json.loads(line[6:])["choices"])
-            if len(seen) == 4:
+            if len(seen) == b["n"]:
                 break
+        assert seen == set(range(b["n"])), seen
+        then()
+
+
+def test_disconnect_aborts_every_choice_and_frees_their_blocks(worker):
+    aborted = read(worker, "vllm:request_success_total", finished_reason="abort")
+    b = body(n=4, max_tokens=400, temperature=HOT, seed=1, stream=True)
+
+    def in_flight():
         h = worker.health()
         assert h["running"] == 4, h  # every choice is in flight
+
+    stream_until_every_choice_started(worker.url, b, in_flight)
     h = wait_for(lambda: (h := worker.get("/debug/engine").json())["running"] == 0
                  and h["waiting"] == 0 and h["kv_blocks"]["in_use"] == 0 and h,
                  what="every choice aborted and its blocks freed")

@@ -6,11 +6,9 @@ n choices on the D that holds the history."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
-from test_n_choices import HOT
+from test_n_choices import HOT, stream_until_every_choice_started
 from test_router import ARGS, bidi, start_router
 from workers import sse_events, start_p_and_d, stopping, wait_for
 
@@ -95,6 +93,18 @@ def test_pd_n2_equals_one_worker(router, workers, stream):
         w.assert_integrity()
 
 
+def test_pd_greedy_n2_gives_two_choices_equal_to_the_oracle(router, workers, oracle):
+    """Greedy: D's choice 0 emits P's first token (it READs every prompt token); choice 1
+    computes its last block itself; both are the oracle's answer."""
+    ids = prompt(6)
+    resp = answer(router.post("/v1/completions", body(ids, n=2, temperature=0)))
+    want = oracle(ids, 10).token_ids
+    assert token_ids(resp) == [want, want]
+    dec = resp["kv_stats"]["decode"]
+    assert dec["computed_tokens"] == 0 and dec["pulled_tokens"] == len(ids), dec
+    assert dec["choices"][1]["computed_tokens"] == len(ids) - SHARED, dec
+
+
 def common(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -151,14 +161,8 @@ def test_placement_auto_runs_n_choices_on_the_decode_worker(workers, tmp, oracle
 def test_router_disconnect_aborts_every_choice_on_decode(router, workers):
     p, d = workers
     b = body(prompt(5), n=3, max_tokens=400, temperature=HOT, seed=3, stream=True)
-    with httpx.stream("POST", router.url + "/v1/completions", json=b, timeout=60) as r:
-        seen, lines = set(), r.iter_lines()  # kept: a closed iterator closes the response
-        for line in lines:
-            if line.startswith("data: {"):
-                seen.update(c["index"] for c in json.loads(line[6:])["choices"])
-            if len(seen) == 3:
-                break
-        assert seen == {0, 1, 2} and d.health()["running"] == 3  # all in flight on D
+    stream_until_every_choice_started(  # all in flight on D
+        router.url, b, lambda: d.health()["running"] == 3 or pytest.fail(str(d.health())))
     # nothing left running, and every block reference is a retained turn's (integrity)
     wait_for(lambda: (h := d.get("/debug/engine").json())["running"] == 0
              and h["waiting"] == 0 and h["integrity"] == "ok",
