@@ -309,7 +309,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": True}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": 5}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "stream_options": 1}),

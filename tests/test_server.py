@@ -277,7 +277,7 @@ ERRORS = [
     ("/v1/completions", {"prompt": [7] * 600, "max_tokens": 4}, 400, None,
      "maximum context length is 512"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 600}, 400, None, "maximum context length"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", "`n` must be 1"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "`n` must be an integer in [1, 128]"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "top_p"),
     ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
@@ -290,7 +290,7 @@ ERRORS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      400, "messages[0].content[0]", "only text"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs", "supported"),
-    ("/v1/chat/completions", {"messages": CHAT, "stream": True, "n": 3}, 400, "n", "`n`"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": True, "n": "3"}, 400, "n", "`n`"),
     ("/v1/nope", {}, 404, None, "Not Found"),
 ]
 

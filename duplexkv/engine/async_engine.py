@@ -75,7 +75,8 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        kv_params: KVTransferParams | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs; `kv_params` go to the engine's connector with the request."""
+        """Stream outputs (n > 1: every choice's, each with its `index`, interleaved) until
+        every choice has finished; `kv_params` go to the engine's connector with the request."""
         if self.dead:
             raise EngineDeadError(self.dead)
         self.engine.check_request(len(prompt_ids), params)
@@ -85,16 +86,17 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             raise EngineDeadError(self.dead)
         self._cmds.put(_Add(request_id, prompt_ids, params, kv_params))
-        finished = False
+        finished, unfinished = False, params.n
         try:
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item.finish_reason == "error":
+                if item.finish_reason == "error":  # the engine ended every choice
                     finished = True
                     raise RequestFailed(item.error or "request failed")
-                finished = item.finished
+                unfinished -= item.finished
+                finished = unfinished == 0
                 yield item
                 if finished:
                     return

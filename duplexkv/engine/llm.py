@@ -31,6 +31,9 @@ class LLM:
             sampling_params = [sampling_params or self.default_sampling_params()] * len(plist)
         if len(sampling_params) != len(plist):
             raise ValueError("give one SamplingParams, or one per prompt")
+        if any(sp.n != 1 for sp in sampling_params):
+            raise ValueError("LLM.generate returns one output per prompt: n must be 1 (the "
+                             "server, `duplexkv serve`, answers n choices)")
         ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(plist, sampling_params)]
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():

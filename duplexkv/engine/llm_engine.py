@@ -29,6 +29,7 @@ from duplexkv.engine.kv_transfer import (
     PullDeclined,
 )
 from duplexkv.engine.model_runner import ModelRunner
+from duplexkv.engine.parallel import Choices, choice_params
 from duplexkv.engine.sampler import make_generator, process_row, sample_row
 from duplexkv.engine.sampling_params import SamplingParams
 from duplexkv.engine.scheduler import Scheduler
@@ -79,6 +80,7 @@ class RequestOutput:
     error: str | None = None  # with finish_reason "error"
     # as vLLM: the stop string or stop token id that ended it; None for eos and length
     stop_reason: int | str | None = None
+    index: int = 0  # the choice (n > 1: engine/parallel.py)
 
 
 @dataclass(slots=True)
@@ -137,7 +139,8 @@ class LLMEngine:
         self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                self.fingerprint)
         self.scheduler = Scheduler(self.bm, config.max_num_batched_tokens, config.max_num_seqs)
-        self.requests: dict[str, _ReqState] = {}
+        self.requests: dict[str, _ReqState] = {}  # by sequence (choice) id
+        self.choices = Choices(config.block_size)
         self._next_id = 0
         self.num_failed_requests = 0  # ended by an error of their own (not by the client)
         self.num_failed_steps = 0
@@ -214,16 +217,18 @@ class LLMEngine:
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.choices.groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params, self.config.block_size)
-        self.requests[request_id] = _ReqState(seq, IncrementalDetokenizer(self.tokenizer),
-                                              make_generator(params))
+        seq = Sequence(request_id, ids, choice_params(params, 0) if params.n > 1 else params,
+                       self.config.block_size)
+        self.requests[request_id] = self._state(seq)
         try:
             wants = kv_params is not None and self.connector.wants_remote_kv(seq, kv_params)
         except BaseException:
             del self.requests[request_id]  # never queued: nothing else to undo
             raise
+        if params.n > 1:
+            self.choices.open(seq, params)
         if wants:
             self.scheduler.park_for_remote_kv(seq)
             try:
@@ -236,13 +241,30 @@ class LLMEngine:
                 self.scheduler.resume(seq)
         else:
             self.scheduler.add(seq)
+            self._start_choices(seq)  # nothing to share, or a decode-local prefix adopted
         return seq
 
+    def _state(self, seq: Sequence) -> _ReqState:
+        return _ReqState(seq, IncrementalDetokenizer(self.tokenizer), make_generator(seq.params))
+
+    def _start_choices(self, seq: Sequence) -> None:
+        """Start the choices held back for `seq` (a choice 0) once the prompt blocks they share
+        are computed: each takes them by reference and computes the rest (engine/parallel.py)."""
+        children, blocks, shared = self.choices.ready(seq)
+        for child in children:
+            self.requests[child.request_id] = self._state(child)
+            if shared:
+                self.scheduler.adopt_prefix(child, blocks, shared)
+                child.stats.shared_tokens = shared
+            self.scheduler.add(child)
+
     def abort(self, request_id: str) -> None:
-        st = self.requests.pop(request_id, None)
-        if st is not None and not st.seq.is_finished:
-            self._connector_abort(st.seq)
-            self.scheduler.finish(st.seq, "abort")
+        """End a request (every choice of it) without an answer."""
+        for rid in self.choices.close(request_id) or [request_id]:
+            st = self.requests.pop(rid, None)
+            if st is not None and not st.seq.is_finished:
+                self._connector_abort(st.seq)
+                self.scheduler.finish(st.seq, "abort")
 
     def _connector_abort(self, seq: Sequence) -> None:
         try:
@@ -259,8 +281,11 @@ class LLMEngine:
         seq = st.seq
         seq.error = message
         self.scheduler.finish(seq, "error")
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
-                             st.text, [], "", True, "error", seq.stats, None, message)
+        if seq.output_id in self.choices.groups:  # one choice failed: so did its request
+            self.abort(seq.output_id)
+        return RequestOutput(seq.output_id, seq.prompt_token_ids, list(seq.output_token_ids),
+                             st.text, [], "", True, "error", seq.stats, None, message,
+                             index=seq.index)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -299,9 +324,12 @@ class LLMEngine:
                                                  seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += item.num_new_tokens
             self.bm.cache_blocks(seq)
+            self._start_choices(seq)  # before seq can finish and drop its references
         if logits is not None:
             for i, item in enumerate(sampling):
-                st = self.requests[item.seq.request_id]
+                st = self.requests.get(item.seq.request_id)
+                if st is None:  # a sibling choice's failure ended this request meanwhile
+                    continue
                 try:
                     p = st.seq.params
                     row = logits[i]
@@ -380,6 +408,9 @@ class LLMEngine:
         seq.stats.transfer_ms += ev.transfer_ms
         seq.stats.pull_outcome = "pulled"
         self.scheduler.resume(seq, ev.num_computed_tokens)
+        if seq.request_id in self.choices.groups:  # the other choices share the pulled prompt
+            self.bm.cache_blocks(seq)  # hashed before they take its blocks
+            self._start_choices(seq)
         if ev.first_token_id is not None and seq.num_computed_tokens == seq.num_prompt_tokens:
             # the holder's greedy token after exactly this prompt: emit it, compute nothing
             self.bm.cache_blocks(seq)  # no step may follow (the request can finish right here)
@@ -430,6 +461,7 @@ class LLMEngine:
                 log.exception("the connector's finish failed for %s", seq.request_id)
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]
+            self.choices.finished(seq)
             visible = len(st.text)
         else:
             hold = max((len(s) for s in p.stop), default=1) - 1
@@ -438,9 +470,9 @@ class LLMEngine:
         st.emitted_chars = visible
         new_ids = seq.output_token_ids[st.sent_tokens :]
         st.sent_tokens = n_out
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
+        return RequestOutput(seq.output_id, seq.prompt_token_ids, list(seq.output_token_ids),
                              st.text[:visible], new_ids, new_text, reason is not None, reason,
-                             seq.stats, kv_params, stop_reason=stop_reason)
+                             seq.stats, kv_params, stop_reason=stop_reason, index=seq.index)
 
     @staticmethod
     def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:

@@ -19,6 +19,9 @@ MAX_STOP = 64  # stop strings / stop token ids per request
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_ID = 2**31 - 1
 MIN_REPETITION_PENALTY = 0.01
+# choices per request: OpenAI's documented limit. Each choice is a sequence of its own (its blocks
+# beyond the shared prompt, a batch slot), so this also bounds one request's share of the engine
+MAX_N = 128
 
 
 @dataclass(slots=True)
@@ -37,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    n: int = 1  # choices; choice i samples with seed + i (engine/parallel.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,9 +82,14 @@ class SamplingParams:
         number("frequency_penalty", -2.0, 2.0)
         # below ~0.01 dividing positive logits by it overflows float32 after temperature
         number("repetition_penalty", MIN_REPETITION_PENALTY, 2.0)
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}]")
+        top = SEED_RANGE[1] - (self.n - 1)  # choice i samples with seed + i
         if self.seed is not None and (not is_int(self.seed)
-                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
-            bad("seed", f"must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
+                                      or not SEED_RANGE[0] <= self.seed <= top):
+            bad("seed", f"must be an integer in [{SEED_RANGE[0]}, {top}]"
+                        + (f" (with n={self.n}: choice i samples with seed + i)"
+                           if self.n > 1 else ""))
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", "must be an integer in [0, max_tokens]")
         if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP \

@@ -33,6 +33,8 @@ class KVStats:
     pull_decision: dict | None = None
     # D prefilled a conversation's new suffix over its own retained turn (kv/local_reuse.py)
     decode_local: dict | None = None
+    # choices 1.. of an n > 1 request: of local_hit_tokens, those taken from choice 0's blocks
+    shared_tokens: int = 0
 
     def as_dict(self) -> dict:
         return {
@@ -47,6 +49,7 @@ class KVStats:
             "pull_outcome": self.pull_outcome,
             "pull_decision": self.pull_decision,
             "decode_local": self.decode_local,
+            "shared_tokens": self.shared_tokens,
         }
 
 
@@ -67,6 +70,13 @@ class Sequence:
     first_token_time: float | None = None
     stats: KVStats = field(default_factory=KVStats)
     error: str | None = None
+    parent_id: str | None = None  # choices 1.. of an n > 1 request: the request's id
+    index: int = 0  # the choice's index
+
+    @property
+    def output_id(self) -> str:
+        """The request id its outputs carry (the request's, for every choice)."""
+        return self.parent_id or self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -18,6 +18,7 @@ from duplexkv.http.errors import bad_request
 from duplexkv.http.request_fields import reject_unsupported, unknown_fields
 
 Kind = Literal["completion", "chat"]
+MAX_N = 128  # choices per request: OpenAI's limit (the engine's SamplingParams checks it too)
 ROLES = ("system", "user", "assistant", "tool", "developer")  # developer is sent as system
 _MISSING = object()
 
@@ -30,6 +31,7 @@ class GenerateRequest:
     messages: list[dict] | None = None  # chat, normalised to text content
     add_generation_prompt: bool = True
     max_tokens: int | None = None  # None: fill the context, as vLLM does
+    n: int = 1  # choices, each sampled on its own (seed + index), the prompt computed once
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -57,7 +59,7 @@ class GenerateRequest:
                     repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
                     seed=self.seed, stop=list(self.stop),
                     stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                    min_tokens=self.min_tokens)
+                    min_tokens=self.min_tokens, n=self.n)
 
 
 class _Fields:
@@ -102,8 +104,8 @@ def parse_request(body: dict, kind: Kind) -> GenerateRequest:
     unknown_fields.note(body, kind)
     model = f.get("model", (str,), "a string")
     n = f.integer("n", 1)
-    if n != 1:
-        raise bad_request(f"`n` must be 1 (only one choice per request is supported), got {n}", "n")
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"`n` must be an integer in [1, {MAX_N}], got {n}", "n")
     f.reject("best_of", (1,), "only 1")
     f.reject("echo", (False,), "only false")
     f.reject("suffix", ("",), "no suffix")
@@ -120,7 +122,7 @@ def parse_request(body: dict, kind: Kind) -> GenerateRequest:
     include_usage = _Fields(options).get("include_usage", (bool,), "a boolean", False)
     kv = f.get("kv_transfer_params", (dict,), "an object or null")
     common: dict[str, Any] = {
-        "kind": kind, "model": model, "max_tokens": max_tokens,
+        "kind": kind, "model": model, "max_tokens": max_tokens, "n": n,
         "temperature": f.number("temperature", 1.0), "top_p": f.number("top_p", 1.0),
         "top_k": f.integer("top_k", 0), "min_p": f.number("min_p", 0.0),
         "presence_penalty": f.number("presence_penalty", 0.0),

@@ -1,9 +1,10 @@
 """The two legs of a turn: request rewriting, `kv_transfer_params` handling, combined `kv_stats`.
 
     P leg   client body, stream=false, max_tokens=1, without max_completion_tokens /
-            min_tokens / min_completion_tokens / stream_options, + a miss payload or D's stored
-            params with the booleans forced (do_remote_decode=true, do_remote_prefill=false)
-    D leg   client body + P's params (the client's own `stream`)
+            min_tokens / min_completion_tokens / stream_options / n (P computes the prompt
+            once, as vLLM's proxy sends n=1), + a miss payload or D's stored params with the
+            booleans forced (do_remote_decode=true, do_remote_prefill=false)
+    D leg   client body + P's params (the client's own `stream` and `n`: D samples the choices)
     reply   D's answer without `kv_transfer_params`; its `kv_stats` replaced by one object that
             combines both legs and the router's timings
 """
@@ -20,7 +21,8 @@ from duplexkv.router.request import ClientRequest
 
 MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None}
-P_LEG_DROPS = ("stream_options", "max_completion_tokens", "min_tokens", "min_completion_tokens")
+P_LEG_DROPS = ("stream_options", "max_completion_tokens", "min_tokens", "min_completion_tokens",
+               "n")
 
 
 def miss_params() -> dict:

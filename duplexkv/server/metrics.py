@@ -1,5 +1,10 @@
 """Prometheus metrics of one worker app (its own CollectorRegistry, so apps never clash): ours
-(`duplexkv_*`) and, given the engine, vLLM's names for the concepts we share (`vllm_metrics`)."""
+(`duplexkv_*`) and, given the engine, vLLM's names for the concepts we share (`vllm_metrics`).
+
+With n > 1, ours count the HTTP request once (its prompt once, the tokens of all its choices,
+the prefix hits and computed tokens of all its choices); vLLM's count each choice as a request,
+as vLLM's engine does (each choice is a child request there, vllm/v1/engine/parallel_sampling.py),
+and `vllm:request_params_n` observes n once per request."""
 
 from __future__ import annotations
 
@@ -52,6 +57,15 @@ class EngineSnapshot:
                 "num_failed_steps": self.num_failed_steps}
 
 
+@dataclass(slots=True)
+class ChoiceTimes:
+    """When the server saw one choice's first output, its last with new tokens, its end."""
+
+    first: float
+    last: float
+    finished: float | None = None
+
+
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -96,37 +110,51 @@ class ServerMetrics:
         self.info = Gauge("duplexkv_model_info", "Served model", ["model"], **m)
         self.info.labels(model_name).set(1)
 
-    def record_finished(self, endpoint: str, outcome: str, out: RequestOutput | None,
-                        max_tokens: int = 0) -> None:
+    def record_finished(self, endpoint: str, outcome: str, finals: list[RequestOutput] | None,
+                        max_tokens: int = 0, n: int = 1) -> None:
+        """A request ended: `finals` are its choices' final outputs (None: no answer)."""
         self.requests.labels(endpoint, outcome).inc()
-        if out is None:
+        if finals is None:
             if self.vllm is not None:
-                self.vllm.success["abort" if outcome == "aborted" else "error"].inc()
+                self.vllm.success["abort" if outcome == "aborted" else "error"].inc(n)
             return
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.token_ids))
-        s = out.kv_stats
-        if s is not None:
-            self.prefix_hit_tokens.inc(s.local_hit_tokens)
-            self.pulled_tokens.inc(s.pulled_tokens)
-            self.computed_tokens.inc(s.computed_tokens)
+        self.prompt_tokens.inc(len(finals[0].prompt_token_ids))
         if self.vllm is not None:
-            n_prompt = len(out.prompt_token_ids)
-            local = s.local_hit_tokens if s is not None else 0
-            asked = n_prompt - local if s is not None and s.pull_outcome else 0
-            self.vllm.finished(out.finish_reason or "error", n_prompt, len(out.token_ids),
-                               max_tokens, local, s.pulled_tokens if s is not None else 0, asked)
+            self.vllm.request_n.observe(len(finals))
+        for out in finals:
+            self.generation_tokens.inc(len(out.token_ids))
+            s = out.kv_stats
+            if s is not None:
+                self.prefix_hit_tokens.inc(s.local_hit_tokens)
+                self.pulled_tokens.inc(s.pulled_tokens)
+                self.computed_tokens.inc(s.computed_tokens)
+            if self.vllm is not None:
+                n_prompt = len(out.prompt_token_ids)
+                local = s.local_hit_tokens if s is not None else 0
+                asked = n_prompt - local if s is not None and s.pull_outcome else 0
+                self.vllm.finished(out.finish_reason or "error", n_prompt, len(out.token_ids),
+                                   max_tokens, local, s.pulled_tokens if s is not None else 0,
+                                   asked)
 
-    def record_timings(self, ttft_s: float, e2e_s: float, out: RequestOutput) -> None:
-        """A finished request's latencies."""
+    def record_timings(self, arrival: float, ttft_s: float, e2e_s: float,
+                       finals: list[RequestOutput],
+                       choices: dict[int, ChoiceTimes] | None = None) -> None:
+        """A finished request's latencies: ours for the request (its first token of any
+        choice), vLLM's for each choice (`choices`: when the server saw each one's outputs)."""
         self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)
-        s = out.kv_stats
+        s = finals[0].kv_stats  # choice 0 carries where the prompt's KV came from
         source = ("recomputed" if s is None or (not s.pulled_tokens and not s.local_hit_tokens)
                   else "pulled" if s.pulled_tokens else "local_hit")
         self.ttft_by_source.labels(source).observe(ttft_s)
-        if self.vllm is not None:
-            self.vllm.timings(ttft_s, e2e_s, (s.queue_ms / 1e3) if s is not None else 0.0,
+        if self.vllm is None:
+            return
+        for out in finals:
+            t = (choices or {}).get(out.index)
+            c_ttft = ttft_s if t is None else t.first - arrival
+            c_e2e = e2e_s if t is None or t.finished is None else t.finished - arrival
+            cs = out.kv_stats
+            self.vllm.timings(c_ttft, c_e2e, (cs.queue_ms / 1e3) if cs is not None else 0.0,
                               len(out.token_ids))
 
     def record_rejected(self, endpoint: str, outcome: str) -> None:

@@ -1,9 +1,15 @@
 """Response bodies in OpenAI shapes, non-stream and SSE chunks, plus our top-level extensions.
 
     non-stream   {id, object, created, model, choices, usage, kv_stats, kv_transfer_params}
-    stream       [chat: role chunk] -> text/content chunks -> finish chunk (finish_reason,
-                 stop_reason, kv_stats, kv_transfer_params) -> [usage chunk, choices: []]
-                 -> data: [DONE]
+    stream       [chat: a role chunk per choice] -> text/content chunks -> a finish chunk per
+                 choice (finish_reason, stop_reason, kv_stats; kv_transfer_params on the last)
+                 -> [usage chunk, choices: []] -> data: [DONE]
+
+n > 1 (vLLM's shape): `choices[i].index`, each choice with its own finish_reason, stop_reason,
+text and token ids; a stream's chunks carry one choice each, interleaved. `usage` counts the prompt
+once and the completion tokens of every choice. `kv_stats` is the request's: choice 0's (where
+the prompt's KV came from: it computed or pulled it once) plus `choices`, every choice's own
+(choices 1.. show the prompt blocks they took from choice 0 as `shared_tokens`).
 """
 
 from __future__ import annotations
@@ -27,14 +33,22 @@ def cached_tokens(out: RequestOutput) -> int:
     return 0 if s is None else s.local_hit_tokens + s.pulled_tokens
 
 
-def usage(out: RequestOutput) -> dict:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
+def usage(outs: list[RequestOutput]) -> dict:
+    p, c = len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens(out)}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens(outs[0])}}
 
 
-def kv_stats(out: RequestOutput) -> dict | None:
-    return None if out.kv_stats is None else out.kv_stats.as_dict()
+def kv_stats(outs: list[RequestOutput]) -> dict | None:
+    """The request's kv_stats: choice 0's, and with n > 1 every choice's under `choices`."""
+    first = outs[0].kv_stats
+    if first is None:
+        return None
+    out = first.as_dict()
+    if len(outs) > 1:
+        out["choices"] = [{"index": o.index, **o.kv_stats.as_dict()} for o in outs
+                          if o.kv_stats is not None]
+    return out
 
 
 @dataclass(slots=True)
@@ -44,7 +58,9 @@ class Formatter:
     model: str
     include_usage: bool = False
     return_token_ids: bool = False
+    n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
+    latest: dict[int, RequestOutput] = field(default_factory=dict)  # stream: per choice
 
     @property
     def _object(self) -> str:
@@ -55,60 +71,77 @@ class Formatter:
                 "model": self.model}
 
     # non-stream
-    def full(self, out: RequestOutput) -> dict:
+    def full(self, outs: list[RequestOutput]) -> dict:
+        return {**self._head(self._object), "choices": [self._choice(o) for o in outs],
+                "usage": usage(outs), "kv_stats": kv_stats(outs),
+                "kv_transfer_params": _params(outs[0])}
+
+    def _choice(self, out: RequestOutput) -> dict:
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+            choice = {"index": out.index, "message": {"role": "assistant", "content": out.text},
                       "logprobs": None, "finish_reason": out.finish_reason,
                       "stop_reason": out.stop_reason}
         else:
-            choice = {"index": 0, "text": out.text, "logprobs": None,
+            choice = {"index": out.index, "text": out.text, "logprobs": None,
                       "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
         if self.return_token_ids:
             choice["prompt_token_ids"] = out.prompt_token_ids
             choice["token_ids"] = out.token_ids
-        return {**self._head(self._object), "choices": [choice], "usage": usage(out),
-                "kv_stats": kv_stats(out), "kv_transfer_params": _params(out)}
+        return choice
 
     # stream
-    def _chunk(self, delta: str, finish_reason: str | None, role: bool = False) -> dict:
+    def _chunk(self, index: int, delta: str, finish_reason: str | None,
+               role: bool = False) -> dict:
         if self.kind == "chat":
             d: dict = {"role": "assistant", "content": ""} if role else {}
             if delta:
                 d["content"] = delta
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": d, "logprobs": None,
+                      "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": delta, "logprobs": None,
+                      "finish_reason": finish_reason}
             obj = "text_completion"
         body = {**self._head(obj), "choices": [choice]}
         if self.include_usage:
             body["usage"] = None
         return body
 
-    def start_chunk(self) -> str | None:
-        return sse(self._chunk("", None, role=True)) if self.kind == "chat" else None
+    def start_chunks(self) -> list[str]:
+        """Chat: the assistant role, one chunk per choice (vLLM's order)."""
+        if self.kind != "chat":
+            return []
+        return [sse(self._chunk(i, "", None, role=True)) for i in range(self.n)]
+
+    def finals(self) -> list[RequestOutput]:
+        return [self.latest[i] for i in range(self.n)]
 
     def chunk(self, out: RequestOutput) -> str | None:
         """The SSE line for one engine output (None when it carries nothing new)."""
+        self.latest[out.index] = out
         if not out.finished:
             if not out.new_text and not (self.return_token_ids and out.new_token_ids):
                 return None
-            body = self._chunk(out.new_text, None)
+            body = self._chunk(out.index, out.new_text, None)
             if self.return_token_ids:
                 body["choices"][0]["token_ids"] = out.new_token_ids
             return sse(body)
-        body = self._chunk(out.new_text, out.finish_reason)
+        body = self._chunk(out.index, out.new_text, out.finish_reason)
         body["choices"][0]["stop_reason"] = out.stop_reason
         if self.return_token_ids:
             body["choices"][0]["token_ids"] = out.new_token_ids
-        body["kv_stats"] = kv_stats(out)
-        body["kv_transfer_params"] = _params(out)
+        known = [self.latest[i] for i in sorted(self.latest)]
+        body["kv_stats"] = kv_stats(known) if 0 in self.latest else None
+        last = len(self.latest) == self.n and all(o.finished for o in known)
+        body["kv_transfer_params"] = _params(self.latest[0]) if last else None
         return sse(body)
 
-    def usage_chunk(self, out: RequestOutput) -> str:
+    def usage_chunk(self) -> str:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return sse({**self._head(obj), "choices": [], "usage": usage(out),
-                    "kv_stats": kv_stats(out)})
+        outs = self.finals()
+        return sse({**self._head(obj), "choices": [], "usage": usage(outs),
+                    "kv_stats": kv_stats(outs)})
 
     def error_chunk(self, error: dict) -> str:
         return sse(error)

@@ -9,6 +9,9 @@ Where the meaning differs slightly, ours is stated here:
   `vllm:external_prefix_cache_queries` / `hits` count the tokens a request asked another worker
   for and the tokens actually pulled (vLLM: its KV connector's).
 - `vllm:request_success{finished_reason}`: stop, length, abort (the client went away) and error.
+- n > 1: each choice counts as a request (success, prompt and generation tokens, prefix-cache
+  queries and hits, TTFT, e2e, queue time), as vLLM's child requests do; `vllm:request_params_n`
+  is observed once per request.
 - `vllm:inter_token_latency_seconds` (and its deprecated twin `vllm:time_per_output_token_seconds`)
   are measured where the server sees each output, so tokens that arrive together share the gap.
 Our own `duplexkv_*` metrics stay as they are.
@@ -84,6 +87,8 @@ class VLLMMetrics:
                                                "Number of prefill tokens processed.", tokens)
         self.request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Number of generation tokens processed.", tokens)
+        self.request_n = histogram("vllm:request_params_n", "Histogram of the n request "
+                                   "parameter.", (1, 2, 5, 10, 20))
         self.request_max_tokens = histogram("vllm:request_params_max_tokens",
                                             "Histogram of the max_tokens request parameter.",
                                             tokens)
