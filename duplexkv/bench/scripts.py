@@ -12,6 +12,7 @@ SCRIPTS = {
     "reuse_hosts": "TTFT with and without pulling history from D, across hosts on shaped links",
     "engine_vs_hf": "prefill and decode of the engine vs HF transformers",
     "router_overhead": "time and throughput the router adds (stub workers)",
+    "worker_overhead": "a prefill's TTFT through the HTTP worker vs the engine in-process",
     "omp_contention": "a prefill and a decode process sharing the cores",
     "retention": "pulled-hit rate under memory pressure: oldest-first vs by value vs Belady",
     "soak": "conversations through router + P + D for a given time: RSS of every process",
