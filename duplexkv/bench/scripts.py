@@ -11,6 +11,7 @@ SCRIPTS = {
                 "hosts over a shaped link)",
     "reuse_hosts": "TTFT with and without pulling history from D, across hosts on shaped links",
     "engine_vs_hf": "prefill and decode of the engine vs HF transformers",
+    "engine_guard": "fast engine prefill/decode rows on tiny and bench, --compare with a file",
     "router_overhead": "time and throughput the router adds (stub workers)",
     "worker_overhead": "a prefill's TTFT through the HTTP worker vs the engine in-process",
     "omp_contention": "a prefill and a decode process sharing the cores",
