@@ -1,5 +1,6 @@
 """`duplexkv bench engine_guard` on the tiny model with tiny sizes: it writes its rows and the
-machine they ran on, and `--compare` flags exactly the rows slower than the file's (exit 1)."""
+machine they ran on, and `--compare` flags exactly the rows slower than the file's (exit 1), for
+rows just measured or another file's (`--rows`)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,7 @@ def test_engine_guard_writes_rows_and_compares(tiny_model_dir: Path, tmp_path: P
     fast = tmp_path / "fast.json"
     fast.write_text(json.dumps(base))
     capsys.readouterr()
-    assert main(["bench", "engine_guard", "--models", str(tiny_model_dir), *TINY,
-                 "--compare", str(fast)]) == 1
+    assert main(["bench", "engine_guard", "--compare", str(fast), "--rows", str(out)]) == 1
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     flagged = [line.split("|")[2].strip() for line in table if "SLOWER" in line]
     assert flagged == ["prefill 16"]
@@ -42,4 +42,4 @@ def test_engine_guard_writes_rows_and_compares(tiny_model_dir: Path, tmp_path: P
         r["median_s"] *= 1e6
     fast.write_text(json.dumps(base))
     assert main(["bench", "engine_guard", "--models", str(tiny_model_dir), *TINY,
-                 "--compare", str(fast)]) == 0
+                 "--compare", str(fast)]) == 0  # measuring, then comparing

@@ -4,7 +4,8 @@ Per model (in-process, prefix caching off): prefill at a few lengths (add_reques
 max_tokens=1) and the median decode step at one context; each row the median of `--reps`
 samples after a warm-up. `--json FILE` writes the rows with what they were measured on (CPU
 model and flags, dtype, torch version, threads, load average); `--compare FILE` prints each
-row's ratio against such a file and flags rows slower by more than `--tolerance` (exit code 1).
+row's ratio against such a file and flags rows slower by more than `--tolerance` (exit code 1);
+with `--rows FILE2` it compares two files without measuring.
 The committed baseline is docs/results/engine-guard-float32.json. Compare a change in one session
 on one machine, alternating: run it on main, on the change, on main again (see the README).
 
@@ -86,7 +87,8 @@ def _row(model: str, what: str, xs: list[float]) -> dict:
 def compare(rows: list[dict], meta: dict, baseline_path: str, tolerance: float) -> int:
     """Print each row against the baseline's; 1 if any row is slower beyond `tolerance`."""
     base = json.loads(Path(baseline_path).read_text())
-    differs = [k for k in ("cpu", "cpus", "kernel_flags", "dtype", "torch", "threads")
+    differs = [k for k in ("cpu", "cpus", "kernel_flags", "dtype", "torch", "threads",
+                           "omp_wait_policy")
                if base["machine"].get(k) != meta.get(k)]
     if differs:
         print("note: measured on a different " + ", ".join(
@@ -125,11 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the rows and the machine here")
     ap.add_argument("--compare", metavar="FILE", help=f"a result file to compare with (e.g. "
                                                       f"{BASELINE})")
+    ap.add_argument("--rows", metavar="FILE",
+                    help="compare this result file's rows instead of measuring (with --compare)")
     ap.add_argument("--tolerance", type=float, default=0.10,
                     help="flag rows slower than the baseline by more than this share")
     args = ap.parse_args(argv)
     if min([*args.prefill, args.decode_context, args.decode_steps, args.reps]) < 1:
         ap.error("lengths, steps and reps must be >= 1")
+    if args.rows:
+        if not args.compare:
+            ap.error("--rows goes with --compare")
+        done = json.loads(Path(args.rows).read_text())
+        return compare(done["rows"], done["machine"], args.compare, args.tolerance)
     meta = machine(args.dtype)
     print(f"{meta['cpu']}, {meta['cpus']} CPUs, {meta['bf16']}, dtype {args.dtype}, torch "
           f"{meta['torch']}, {meta['threads']} threads, load average {meta['load_average']}")
