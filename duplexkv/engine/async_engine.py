@@ -165,7 +165,7 @@ class AsyncEngine:
                     pass
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
-                self.trimmer.tick()
+                self.trimmer.tick(idle=not self.engine.has_unfinished())
         except BaseException as e:  # unrecoverable (EngineFatal or a bug): fail everyone, loudly
             log.exception("engine thread died")
             self.dead = f"engine failed: {e!r}"
