@@ -116,12 +116,17 @@ def measure(client: httpx.Client, d: str, p_model: str, p_fixed: str, histories:
         row["model_vs_fixed"] = row["model_ttft_ms"] / row["fixed_ttft_ms"]
         rows.append(row)
         print(f"{label + ' ' if label else ''}history {hist:6d}: cost model "
-              f"{'/'.join(row['model_outcomes'])} TTFT {row['model_ttft_ms']:.1f} ms (predicted "
+              f"{decides(row['model_outcomes'])} TTFT {row['model_ttft_ms']:.1f} ms (predicted "
               f"transfer {_f(row['model_pred_transfer_ms'])}, recompute "
               f"{_f(row['model_pred_recompute_ms'])}); fixed-64 "
-              f"{'/'.join(row['fixed_outcomes'])} {row['fixed_ttft_ms']:.1f} ms; "
+              f"{decides(row['fixed_outcomes'])} {row['fixed_ttft_ms']:.1f} ms; "
               f"model/fixed {row['model_vs_fixed']:.2f}x", flush=True)
     return rows
+
+
+def decides(outcomes: list[str]) -> str:
+    """P's pull outcomes as decisions: `pull`, or `decline (reason)`."""
+    return "/".join("pull" if o == "pulled" else f"decline ({o})" for o in outcomes)
 
 
 def actual_recompute_ms(r: dict) -> float | None:
@@ -131,21 +136,25 @@ def actual_recompute_ms(r: dict) -> float | None:
     if pulled["model"] == pulled["fixed"]:
         return None
     pull, rec = ("model", "fixed") if pulled["model"] else ("fixed", "model")
-    return r[f"{rec}_prefill_ms"] - r[f"{pull}_prefill_ms"]
+    ms = r[f"{rec}_prefill_ms"] - r[f"{pull}_prefill_ms"]
+    return ms if ms > 0 else None  # a few tokens' recompute is lost in the noise
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| link | history (+new) | cost model decides | predicted transfer | predicted "
-          "recompute | actual transfer | actual recompute | TTFT, cost model | fixed-64 decides "
-          "| TTFT, fixed-64 | cost model / fixed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| link | history (+new) | link measured by P | cost model decides | predicted "
+          "transfer | predicted recompute | actual transfer | actual recompute | TTFT, cost model "
+          "| fixed-64 decides | TTFT, fixed-64 | cost model / fixed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         transfer = r["model_transfer_ms"] or r["fixed_transfer_ms"]
-        print(f"| {r['link'] or '-'} | {r['history']} (+{r['new_tokens']}) | "
-              f"{'/'.join(r['model_outcomes'])} | {_f(r['model_pred_transfer_ms'])} | "
+        gbps = r["model_link_gbps"]
+        seen = "-" if gbps is None else \
+            f"{gbps:.3g} Gbit/s{'' if r['model_link_measured'] else ' (prior)'}"
+        print(f"| {r['link'] or '-'} | {r['history']} (+{r['new_tokens']}) | {seen} | "
+              f"{decides(r['model_outcomes'])} | {_f(r['model_pred_transfer_ms'])} | "
               f"{_f(r['model_pred_recompute_ms'])} | {_f(transfer)} | "
               f"{_f(actual_recompute_ms(r))} | {_f(r['model_ttft_ms'])} | "
-              f"{'/'.join(r['fixed_outcomes'])} | {_f(r['fixed_ttft_ms'])} | "
+              f"{decides(r['fixed_outcomes'])} | {_f(r['fixed_ttft_ms'])} | "
               f"{r['model_vs_fixed']:.2f}x |")
 
 
