@@ -26,6 +26,7 @@ from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, keys_from
 from duplexkv.kv.config import CONNECTORS
 from duplexkv.launch import Cluster, ClusterSpec, LaunchError
+from duplexkv.router.placement import DEFAULT_MODE, MODES
 from duplexkv.router.serve import worker_key
 
 DEFAULT_PORT = 8000
@@ -48,9 +49,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-recompute-threshold", type=int, default=None, metavar="TOKENS",
                    help="pull when the verified gain reaches this many tokens (default: unset, "
                         "P decides by its measured cost model)")
-    p.add_argument("--placement", choices=("prefill", "auto"), default="prefill",
-                   help="the router's turn placement: prefill (every turn through P, pulling "
-                        "from D) or auto (a turn may prefill its suffix on its own D)")
+    p.add_argument("--placement", choices=MODES, default=DEFAULT_MODE,
+                   help="the router's turn placement: auto (default: a turn may prefill its "
+                        "suffix on its own D) or prefill (every turn through P, pulling from D)")
 
 
 def add_up(sub: argparse._SubParsersAction) -> None:

@@ -85,13 +85,31 @@ def test_decision_follows_the_model_and_an_explicit_threshold_overrides():
     assert not d.pull and d.policy == "threshold"
 
 
+def test_link_model_forgets_old_read_samples():
+    """Bandwidth comes only from pulls: a link once measured slow would be declined for good.
+    Samples older than max_age_s are dropped, the prior returns and the next pull re-measures."""
+    now = [0.0]
+    link = LinkModel(prior_gbps=10.0, max_age_s=60.0, clock=lambda: now[0])
+    link.observe_read("d", 1_000_000, 80.0)  # 0.1 Gbit/s
+    now[0] = 59.0
+    assert (link.estimate("d").gbps, link.estimate("d").measured) == (pytest.approx(0.1), True)
+    link.observe_read("d", 1_000_000, 800.0)  # 0.01 Gbit/s, newer: the max is still 0.1
+    now[0] = 61.0
+    assert link.estimate("d").gbps == pytest.approx(0.01)  # the 0.1 sample aged out
+    now[0] = 120.0
+    est = link.estimate("d")
+    assert (est.gbps, est.measured) == (10.0, False)
+    with pytest.raises(ValueError):
+        LinkModel(max_age_s=0)
+
+
 def test_config_threshold_is_the_cost_model_unless_set():
     assert KVTransferConfig.parse({}).kv_recompute_threshold is None
     cfg = KVTransferConfig.parse({"kv_connector_extra_config": {"kv_recompute_threshold": 0,
                                                                 "kv_link_assumed_gbps": 1}})
     assert cfg.kv_recompute_threshold == 0 and cfg.kv_link_assumed_gbps == 1.0
     for bad in ({"kv_recompute_threshold": True}, {"kv_recompute_threshold": -1},
-                {"kv_link_prior_gbps": 0}):
+                {"kv_link_prior_gbps": 0}, {"kv_link_sample_max_age_s": 0}):
         with pytest.raises(KVConfigError):
             KVTransferConfig.parse({"kv_connector_extra_config": bad})
 

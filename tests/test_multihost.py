@@ -30,8 +30,9 @@ ARGS = ("--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "2048
 # the fixed 64-token rule: on the tiny model the cost model rightly recomputes most histories,
 # and these tests are about moving KV across hosts (tests/test_cost_model.py tests the model)
 KV_EXTRA = {"read_timeout_s": 2.0, "kv_recompute_threshold": 64}
-ROUTER_ARGS = ("--health-interval", "0.5", "--health-timeout", "1", "--connect-timeout", "0.5",
-               "--store-timeout", "0.3")
+# the P leg across hosts (the router's default, auto, would prefill later turns on D)
+ROUTER_ARGS = ("--placement", "prefill", "--health-interval", "0.5", "--health-timeout", "1",
+               "--connect-timeout", "0.5", "--store-timeout", "0.3")
 SYSTEM = "You are a careful coding agent. Read the tool output, then answer with the next command."
 OUT = 8
 

@@ -26,7 +26,8 @@ def workers(tiny_model_dir, tmp):
 @pytest.fixture(scope="module")
 def router(workers, tmp):
     p, d = workers
-    with stopping(start_router(tmp / "router.log", [p.url], [d.url], "--placement", "auto")) as r:
+    # no --placement: the router's default is to choose per turn (auto)
+    with stopping(start_router(tmp / "router.log", [p.url], [d.url], placement=None)) as r:
         yield r
 
 
@@ -89,8 +90,8 @@ def test_decode_local_turns_match_reuse_off(router, workers, oracle, stream):
 def test_suffix_over_the_bound_takes_the_p_leg(workers, tmp, oracle):
     """A suffix estimated above --decode-local-max-tokens goes through P (which pulls)."""
     p, d = workers
-    r = start_router(tmp / "router-bound.log", [p.url], [d.url], "--placement", "auto",
-                     "--decode-local-max-tokens", "4")
+    r = start_router(tmp / "router-bound.log", [p.url], [d.url], "--decode-local-max-tokens", "4",
+                     placement="auto")
     try:
         client = r.client()
         conv_id = f"conv-{uuid.uuid4().hex[:8]}"
@@ -117,8 +118,8 @@ def test_decode_local_falls_back_to_p_when_its_decode_worker_is_gone(workers, tm
 
     p, d = workers
     d1 = start_worker(tiny_model_dir, tmp / "d1.log", *ARGS, kv=bidi())
-    r = start_router(tmp / "router-gone.log", [p.url], [d1.url, d.url], "--placement", "auto",
-                     "--health-interval", "30")
+    r = start_router(tmp / "router-gone.log", [p.url], [d1.url, d.url], "--health-interval", "30",
+                     placement="auto")
     try:
         client = r.client()
         conv_id = f"conv-{uuid.uuid4().hex[:8]}"

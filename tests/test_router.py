@@ -88,10 +88,12 @@ class Router:
 
 
 def start_router(log: Path, prefill: list[str], decode: list[str], *args: str,
-                 env: dict | None = None) -> Router:
-    """`env` adds to the environment (inherited API key variables are dropped unless given)."""
+                 env: dict | None = None, placement: str | None = "prefill") -> Router:
+    """`env` adds to the environment (inherited API key variables are dropped unless given).
+    The router tests are about the P leg (pulls from D, failover, leases): they pin
+    `--placement prefill`; `placement=None` runs the router's default (auto, test_placement)."""
     cmd = [DUPLEXKV, "router", "--prefill", *prefill, "--decode", *decode, "--port", "0",
-           "--health-interval", "0.5", *args]
+           "--health-interval", "0.5", *(("--placement", placement) if placement else ()), *args]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
                                 env=worker_env({**NO_KEYS, **(env or {})}))

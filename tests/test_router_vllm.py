@@ -120,13 +120,16 @@ def replayed(p: VllmStub) -> list[dict]:
     return [s["kv_transfer_params"] for s in p.seen]
 
 
-def test_bidirectional_vllm_params_are_stored_and_replayed_opaquely(tmp):
+@pytest.mark.parametrize("placement", ["prefill", None], ids=["prefill", "default"])
+def test_bidirectional_vllm_params_are_stored_and_replayed_opaquely(tmp, placement):
     """A bidirectional vLLM D's params (non-stream answer, then a stream's finish chunk) reach
     the next turn's P leg as they were, every key kept (block ids per KV-cache group, D's
     expiry, tp_size, ...), only the two booleans set for a P request; P's params reach D as
-    they were; clients never see either."""
+    they were; clients never see either. Under the default placement (auto) too: a vLLM D
+    cannot verify its own blocks for a decode_local turn, so every turn takes the P leg."""
     p, d = VllmStub("prefill"), VllmStub("decode", d_ttl_s=300.0)
-    r = start_router(tmp / "router.log", [p.url], [d.url], "--health-interval", "600")
+    r = start_router(tmp / "router.log", [p.url], [d.url], "--health-interval", "600",
+                     placement=placement)
     try:
         conv_id = uuid.uuid4().hex
         states = []
@@ -134,6 +137,10 @@ def test_bidirectional_vllm_params_are_stored_and_replayed_opaquely(tmp):
             stats, _ = turn(r, conv_id, stream)
             states.append(stats["conversation"])
             assert stats["retained"] is True
+            if states[-1] == "hit":
+                assert stats["placement"] != "decode_local", stats
+                assert stats["placement_reason"] == ("placement_prefill" if placement
+                                                     else "decode_not_duplexkv"), stats
         assert states == ["miss", "hit", "hit"]
         sent = replayed(p)
         assert sent[0]["remote_engine_id"] is None  # the first turn is a miss

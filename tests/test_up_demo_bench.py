@@ -118,9 +118,10 @@ def test_up_serves_then_stops_cleanly(tiny_model_dir: Path, tmp_path: Path, stop
                              {"role": "user", "content": "and again " * 10}]
         r2 = httpx.post(router + "/v1/chat/completions", json=body, timeout=60,
                         headers={"X-Session-ID": "t"})
-        stats = r2.json()["kv_stats"]  # P has prefix caching on in `up`: a local hit or a pull
+        stats = r2.json()["kv_stats"]  # `up`'s default placement: turn 2 prefills on its D
         assert stats["conversation"] == "hit", stats
-        assert stats["prefill"]["local_hit_tokens"] + stats["prefill"]["pulled_tokens"] > 300
+        assert stats["placement"] == "decode_local" and stats["prefill"] is None, stats
+        assert stats["decode"]["decode_local"]["reused_tokens"] > 300, stats
 
         if stop == signal.SIGINT:
             os.killpg(proc.pid, signal.SIGINT)
@@ -177,7 +178,12 @@ def test_bench_multiturn_end_to_end(tiny_model_dir: Path, tmp_path: Path, capsys
         assert 0 < r["ttft_ms"] <= r["latency_ms"]
         assert r["context_tokens"] > 0 and r["answer_tokens"] >= 8
     on = [r for r in reqs if r["mode"] == "on"]
-    assert all(r["pulled_tokens"] > 0 for r in on if r["turn"] >= 2), on
+    # the default placement (auto): a later turn prefills on its D over the history D kept, or
+    # (D busy) P pulls that history
+    assert any(r["placement"] == "decode_local" for r in on), on
+    assert all(r["pulled_tokens"] > 0 if r["placement"] == "prefill_pull" else
+               r["placement"] == "decode_local" and r["local_hit_tokens"] > 0
+               for r in on if r["turn"] >= 2), on
     assert all(r["pulled_tokens"] == 0 for r in on if r["turn"] == 1)
     assert all(r["pulled_tokens"] == 0 and r["local_hit_tokens"] == 0
                for r in reqs if r["mode"] == "off")
@@ -199,17 +205,21 @@ def test_demo_end_to_end(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
                  "--log-dir", str(tmp_path)])
     printed = capsys.readouterr().out
     assert code == 0, printed
-    for col in ("context tokens", "TTFT reuse off", "TTFT reuse on", "speed-up",
-                "tokens pulled from D", "tokens recomputed"):
+    for col in ("context tokens", "TTFT reuse off", "TTFT reuse on", "speed-up", "prefill on",
+                "history reused", "tokens computed"):
         assert col in printed
     assert re.search(r"reuse cut the time to first token from [\d.]+ s to [\d.]+ s", printed)
-    # the per-turn table: turn 1 pulls nothing, every later turn pulls D's history
+    # the per-turn table: turn 1 reuses nothing; under the default placement every later turn
+    # (one conversation: its D is idle) prefills its suffix on D over the history D kept
     rows = [[c.strip() for c in line.strip("│ ").split("│")] for line in printed.splitlines()
             if re.match(r"^│\s+\d+\s+│", line)]
     assert len(rows) >= 3, printed
-    pulled = {int(r[0]): int(r[5].replace(",", "")) for r in rows}
-    assert pulled[1] == 0 and all(pulled[t] > 0 for t in pulled if t >= 2), pulled
-    assert int(re.search(r"P pulled ([\d,]+) tokens", printed).group(1).replace(",", "")) > 0
+    where = {int(r[0]): r[5] for r in rows}
+    reused = {int(r[0]): int(r[6].replace(",", "")) for r in rows}
+    assert where[1] == "P" and all(where[t] == "D" for t in where if t >= 2), where
+    assert reused[1] == 0 and all(reused[t] > 0 for t in reused if t >= 2), reused
+    m = re.search(r"D prefilled only ([\d,]+) new tokens over the ([\d,]+) tokens", printed)
+    assert m and int(m.group(2).replace(",", "")) > int(m.group(1).replace(",", "")), printed
 
 
 def test_bench_unreachable_router(tiny_model_dir: Path, capsys) -> None:

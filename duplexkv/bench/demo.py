@@ -2,8 +2,10 @@
 growing tool outputs, several turns) run twice, reuse off and on, and a table per turn.
 
 P runs without prefix caching, as in AWS's evaluation: a busy prefill worker has long evicted
-the conversation, so without reuse it recomputes the whole history every turn; with reuse it
-READs the history's KV from the decode worker that produced it.
+the conversation, so without reuse it recomputes the whole history every turn. With reuse the
+router chooses per turn (`--placement auto`, the default): the conversation's D, which holds the
+history, prefills only the new tokens itself, or P READs the history's KV from that D
+(`--placement prefill`: always P).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def demo_table(results: list[Result]) -> Table:
     t = Table(title="One agentic conversation, twice: TTFT per turn (router -> P -> D, "
                     "measured by the client)", title_justify="left")
     for h in ("turn", "context tokens", "TTFT reuse off", "TTFT reuse on", "speed-up",
-              "tokens pulled from D", "tokens recomputed"):
+              "prefill on", "history reused", "tokens computed"):
         t.add_column(h, justify="right")
     off = {r.turn: r for r in results if r.mode == "off"}
     on = {r.turn: r for r in results if r.mode == "on"}
@@ -39,10 +41,23 @@ def demo_table(results: list[Result]) -> Table:
         a, b = off.get(turn), on.get(turn)
         ctx = (b or a).context_tokens
         speed = ratio(a and a.ttft_ms, b and b.ttft_ms)
+        ok = b is not None and not b.error
         t.add_row(str(turn), f"{ctx:,}", _s(a), _s(b), "-" if speed is None else f"{speed:.1f}x",
-                  "-" if b is None or b.error else f"{b.pulled_tokens:,}",
-                  "-" if b is None or b.error else f"{b.recomputed_tokens:,}")
+                  ("D" if b.placement == "decode_local" else "P") if ok else "-",
+                  f"{reused(b):,}" if ok else "-", f"{b.recomputed_tokens:,}" if ok else "-")
     return t
+
+
+def reused(r: Result) -> int:
+    """History tokens not computed again: READ by P from D, or D's own (decode_local)."""
+    return r.pulled_tokens + r.local_hit_tokens
+
+
+def how(r: Result) -> str:
+    if r.placement == "decode_local":
+        return (f"D prefilled only {r.recomputed_tokens:,} new tokens over the {reused(r):,} "
+                f"tokens of history it kept (no P leg)")
+    return f"P pulled {r.pulled_tokens:,} tokens of KV from D and computed {r.recomputed_tokens:,}"
 
 
 def _s(r: Result | None) -> str:
@@ -65,8 +80,7 @@ def run(cfg: BenchConfig, console: Console | None = None) -> list[Result]:
         off, on = sorted(pair, key=lambda r: r.mode != "off")
         console.print(f"At {on.context_tokens:,} tokens of history, reuse cut the time to first "
                       f"token from {off.ttft_ms / 1e3:.2f} s to {on.ttft_ms / 1e3:.2f} s "
-                      f"({off.ttft_ms / on.ttft_ms:.1f}x): P pulled {on.pulled_tokens:,} tokens "
-                      f"of KV from D and computed {on.recomputed_tokens:,}.")
+                      f"({off.ttft_ms / on.ttft_ms:.1f}x): {how(on)}.")
     console.print(f"demo took {time.perf_counter() - t0:.0f} s; worker logs in "
                   f"{cfg.output_dir / 'logs'}. Next: `duplexkv up` to serve, "
                   f"`duplexkv bench multiturn` to measure.")

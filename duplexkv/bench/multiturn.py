@@ -46,6 +46,7 @@ from duplexkv.bench.workload import (
 from duplexkv.engine.dtype import DTYPE_CHOICES
 from duplexkv.launch import LaunchError
 from duplexkv.model.registry import resolve_model
+from duplexkv.router.placement import DEFAULT_MODE, MODES
 
 CONNECTORS = ("TcpConnector", "NixlConnector")
 WARMUP = Sizes(32, (80, 96), (4, 4), max_turns=2)
@@ -66,7 +67,7 @@ class BenchConfig:
     url: str | None = None  # a running router; None = launch a cluster
     ideal_url: str | None = None  # a running single worker for the ideal mode (with url)
     connector: str = "TcpConnector"
-    placement: str = "prefill"  # the launched router's --placement
+    placement: str = DEFAULT_MODE  # the launched router's --placement
     kv_recompute_threshold: int | None = None  # None: the workers' cost model decides
     dtype: str | None = None
     output_dir: Path = field(default_factory=lambda: Path("out") / time.strftime(
@@ -244,8 +245,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--answer-tokens", type=int, nargs=2, metavar=("MIN", "MAX"))
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--kv-connector", default="TcpConnector", choices=CONNECTORS)
-    m.add_argument("--placement", choices=("prefill", "auto"), default="prefill",
-                   help="the launched router's")
+    m.add_argument("--placement", choices=MODES, default=DEFAULT_MODE, help="the router's")
     m.add_argument("--kv-recompute-threshold", type=int, default=None, metavar="TOKENS",
                    help="the launched workers' fixed pull rule (default: their cost model)")
     m.add_argument("--dtype", choices=DTYPE_CHOICES, help="the launched workers' (default auto)")

@@ -123,7 +123,8 @@ def run_policy(policy: str, trace: sim.Trace, args, log_dir: Path) -> dict:
         wait_ready([p, d])
         router = spawn(f"router-{policy}", [
             "router", "--port", "0", "--prefill", p.url, "--decode", d.url,
-            "--lease-renew-period", str(10.0 / s)], log_dir, die_with_parent=True)
+            "--lease-renew-period", str(10.0 / s), "--placement", "prefill"],  # P pulls hits
+            log_dir, die_with_parent=True)
         procs.append(router)
         wait_ready([router])
         turns = asyncio.run(drive(router.url, trace, args.seed))

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         p = hc.worker("p", "prefill", *common, "--no-enable-prefix-caching")
         d = hc.worker("d", "decode", *common)
         hc.ready([p, d], timeout_s=600)
-        r = hc.router("rt", "router", [p], [d])
+        r = hc.router("rt", "router", [p], [d], "--placement", "prefill")  # P reads across
         hc.ready([r])
         print(f"hosts up (logs in {logs}); {args.connector}, bench model, bf16", flush=True)
         client = httpx.Client(timeout=600)

@@ -30,6 +30,8 @@ class KVTransferConfig:
     kv_link_prior_gbps: float = 10.0
     kv_link_prior_rtt_ms: float = 1.0
     kv_link_assumed_gbps: float = 0.0
+    # READ bandwidth samples older than this are forgotten (the prior again: the next pull probes)
+    kv_link_sample_max_age_s: float = 60.0
     decoder_kv_blocks_ttl: float = 480.0  # the cap: D never holds a finished turn longer
     # D holds a finished turn this long unless the router renews it (its conversation is active)
     decoder_kv_lease_duration: float = 60.0
@@ -118,6 +120,7 @@ class KVTransferConfig:
         cfg = cls(**kw)
         if (cfg.kv_recompute_threshold or 0) < 0 or cfg.kv_link_prior_gbps <= 0 \
                 or cfg.kv_link_prior_rtt_ms < 0 or cfg.kv_link_assumed_gbps < 0 \
+                or cfg.kv_link_sample_max_age_s <= 0 \
                 or cfg.decoder_kv_blocks_ttl <= 0 or cfg.decoder_kv_lease_duration <= 0 \
                 or cfg.kv_lease_duration <= 0 or cfg.connect_timeout_s <= 0 \
                 or cfg.read_timeout_s <= 0 or cfg.peer_breaker_s < 0 or cfg.peer_max_in_flight < 1:

@@ -1,20 +1,28 @@
 """What a READ from each peer costs, as this reader has seen it: round-trip time and bandwidth.
 
     rtt        the peer's verify round trips (side channel), min over the last WINDOW
-    bandwidth  bytes / time of the READs from it, max over the last WINDOW
-    prior      before a peer's first sample: `prior_rtt_ms`, `prior_gbps` (config)
+    bandwidth  bytes / time of the READs from it, max over the last WINDOW younger than
+               `max_age_s` (config `kv_link_sample_max_age_s`, 60 s)
+    prior      before a peer's first sample, and again once its READ samples are all older than
+               `max_age_s`: `prior_rtt_ms`, `prior_gbps` (config)
     assumed    `assumed_gbps` > 0 replaces every measured bandwidth (a stand-in for a shaped link
                when none is at hand, e.g. on loopback; the multi-host harness shapes real ones)
 Min and max filters (as BBR uses) because the samples are taken where the engine thread polls:
 a READ that finished while a long prefill step ran looks slower than it was, never faster, and
-the best recent sample is the link's. Updated from kv-net threads (rtt) and the engine thread
-(bandwidth), read on the engine thread: guarded by a lock.
+the best recent sample is the link's. Bandwidth samples age out because they come only from
+pulls: a link measured slow (congestion, or one READ that landed behind a long step) would
+otherwise be declined for good and never measured again; on the prior the next gainful turn
+pulls and measures it afresh (one probe per `max_age_s` on a link that stays slow). RTT needs
+no age: every verify, pull or not, samples it. Updated from kv-net threads (rtt) and the
+engine thread (bandwidth), read on the engine thread: guarded by a lock.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 WINDOW = 8
@@ -24,7 +32,7 @@ MAX_PEERS = 1024
 @dataclass(slots=True)
 class _Peer:
     rtts_ms: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
-    bytes_per_ms: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    reads: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (t, bytes/ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +48,13 @@ class LinkEstimate:
 
 class LinkModel:
     def __init__(self, prior_rtt_ms: float = 1.0, prior_gbps: float = 10.0,
-                 assumed_gbps: float = 0.0) -> None:
-        if prior_rtt_ms < 0 or prior_gbps <= 0 or assumed_gbps < 0:
+                 assumed_gbps: float = 0.0, max_age_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if prior_rtt_ms < 0 or prior_gbps <= 0 or assumed_gbps < 0 or max_age_s <= 0:
             raise ValueError("link priors must be positive")
         self.prior_rtt_ms, self.prior_gbps, self.assumed_gbps = prior_rtt_ms, prior_gbps, \
             assumed_gbps
+        self.max_age_s, self.clock = max_age_s, clock
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
 
@@ -64,22 +74,23 @@ class LinkModel:
     def observe_read(self, peer: str, nbytes: int, ms: float) -> None:
         if nbytes > 0 and ms > 0:
             with self._lock:
-                self._peer(peer).bytes_per_ms.append(nbytes / ms)
+                self._peer(peer).reads.append((self.clock(), nbytes / ms))
 
     def estimate(self, peer: str) -> LinkEstimate:
         with self._lock:
             p = self._peers.get(peer)
             rtt = min(p.rtts_ms) if p and p.rtts_ms else self.prior_rtt_ms
-            bw = max(p.bytes_per_ms) * 8 / 1e6 if p and p.bytes_per_ms else None
+            young = self.clock() - self.max_age_s
+            bw = max((v for t, v in p.reads if t >= young), default=0) * 8 / 1e6 if p else 0
         if self.assumed_gbps > 0:
             return LinkEstimate(rtt, self.assumed_gbps, False)
-        return LinkEstimate(rtt, bw if bw else self.prior_gbps, bw is not None)
+        return LinkEstimate(rtt, bw if bw > 0 else self.prior_gbps, bw > 0)
 
     def state(self) -> dict:
         with self._lock:
             peers = list(self._peers)
         return {"prior_rtt_ms": self.prior_rtt_ms, "prior_gbps": self.prior_gbps,
-                "assumed_gbps": self.assumed_gbps or None,
+                "assumed_gbps": self.assumed_gbps or None, "sample_max_age_s": self.max_age_s,
                 "peers": {k: {"rtt_ms": round(e.rtt_ms, 3), "gbps": round(e.gbps, 3),
                               "measured": e.measured}
                           for k in peers[:16] for e in (self.estimate(k),)}}

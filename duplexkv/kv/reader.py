@@ -97,7 +97,7 @@ class Reader:
         # kept, authenticated side-channel sockets: the CURVE handshake is paid once per socket
         self.side = side_channel.ClientPool(self.auth)
         self.link = LinkModel(cfg.kv_link_prior_rtt_ms, cfg.kv_link_prior_gbps,
-                              cfg.kv_link_assumed_gbps)
+                              cfg.kv_link_assumed_gbps, cfg.kv_link_sample_max_age_s)
 
     def threshold_for(self, p: KVTransferParams) -> int | None:
         """Tokens a pull must gain, or None when these params ask for no pull."""

@@ -3,9 +3,11 @@ on the conversation's own D, which holds the history and prefills only the new s
 (llm-d's decode-first idea, with D verifying its retained blocks token by token).
 
     kind                when
-    decode_local        --placement auto, the conversation's entry names a D that is healthy,
-                        has at most --decode-local-max-outstanding requests in flight, and the
-                        new suffix is estimated at most --decode-local-max-tokens
+    decode_local        --placement auto (the default), the conversation's entry names a D of
+                        ours (/v1/models owned_by duplexkv: a vLLM D does not verify its own
+                        blocks) that is healthy, has fewer than --decode-local-max-outstanding
+                        requests in flight, and the new suffix is estimated at most
+                        --decode-local-max-tokens
     prefill_pull        otherwise, and P pulled the history from D
     prefill_recompute   otherwise, and P computed it (no history, or P declined: its
                         kv_stats.prefill.pull_outcome says why)
@@ -13,7 +15,7 @@ The router has no tokenizer: the suffix is estimated from the prompt's character
 contents, or the token list of a completion prompt) against the previous turn's characters and
 the tokens D retained (`remote_num_tokens`). The estimate counts the previous answer as new,
 so it errs high. Reasons (why not decode_local): placement_prefill, no_history, no_estimate,
-decode_unknown, decode_down, decode_busy, suffix_over_bound.
+decode_unknown, decode_not_duplexkv, decode_down, decode_busy, suffix_over_bound.
 """
 
 from __future__ import annotations
@@ -25,18 +27,22 @@ from duplexkv.router.backends import Backend
 PROMPT_CHARS_KEY = "_duplexkv_prompt_chars"  # stored with D's params; "_" keys never leave us
 PLACEMENTS = ("decode_local", "prefill_pull", "prefill_recompute")
 REASONS = ("history_on_decode", "placement_prefill", "no_history", "no_estimate",
-           "decode_unknown", "decode_down", "decode_busy", "suffix_over_bound",
-           "decode_local_failed")
+           "decode_unknown", "decode_not_duplexkv", "decode_down", "decode_busy",
+           "suffix_over_bound", "decode_local_failed")
+MODES = ("auto", "prefill")
+# auto: the router chooses per turn (issue 14 point 3); prefill: every turn takes the P leg
+DEFAULT_MODE = "auto"
+OURS = "duplexkv"  # the /v1/models owned_by of a worker that can take a decode_local turn
 
 
 @dataclass(frozen=True, slots=True)
 class PlacementConfig:
-    mode: str = "prefill"  # "prefill" (every turn takes the P leg) | "auto"
+    mode: str = DEFAULT_MODE  # "auto" | "prefill" (every turn takes the P leg)
     max_suffix_tokens: int = 4096
     max_decode_outstanding: int = 4
 
     def __post_init__(self) -> None:
-        if self.mode not in ("prefill", "auto"):
+        if self.mode not in MODES:
             raise ValueError("--placement must be 'prefill' or 'auto'")
         if self.max_suffix_tokens < 1 or self.max_decode_outstanding < 1:
             raise ValueError("--decode-local-max-tokens and --decode-local-max-outstanding "
@@ -89,6 +95,8 @@ def choose(cfg: PlacementConfig, params: dict | None, decode: Backend | None,
         return Placement(False, "no_estimate")
     if decode is None:
         return Placement(False, "decode_unknown", suffix)
+    if decode.kind != OURS:
+        return Placement(False, "decode_not_duplexkv", suffix)
     if not decode.healthy:
         return Placement(False, "decode_down", suffix)
     if decode.outstanding >= cfg.max_decode_outstanding:

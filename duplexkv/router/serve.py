@@ -11,7 +11,7 @@ import sys
 from duplexkv.discovery.record import DISCOVERY_ENV, discovery_url
 from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, check_key, keys_from
 from duplexkv.router.config import DEFAULT_CONVERSATION_TTL_S, RouterConfig
-from duplexkv.router.placement import PlacementConfig
+from duplexkv.router.placement import DEFAULT_MODE, MODES, PlacementConfig
 
 log = logging.getLogger("duplexkv.router")
 
@@ -87,10 +87,11 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--keepalive-seconds", type=float, default=60.0, metavar="S",
                    help="how long POST /v1/conversations/{id}/keepalive keeps a conversation "
                         "active when its body names no `seconds` (default 60)")
-    p.add_argument("--placement", choices=("prefill", "auto"), default="prefill",
-                   help="where a conversation's turn is prefilled: 'prefill' (default: always on "
-                        "a P worker, pulling the history from D) or 'auto' (on the conversation's "
-                        "own D when it holds the history, the suffix is small and D is not busy)")
+    p.add_argument("--placement", choices=MODES, default=DEFAULT_MODE,
+                   help="where a conversation's turn is prefilled: 'auto' (default: chosen per "
+                        "turn, on the conversation's own D when it holds the history, the suffix "
+                        "is small and D is not busy, else on a P worker pulling the history from "
+                        "D) or 'prefill' (always on a P worker)")
     p.add_argument("--decode-local-max-tokens", type=int, default=4096, metavar="N",
                    help="with --placement auto: largest estimated new suffix D prefills itself")
     p.add_argument("--decode-local-max-outstanding", type=int, default=4, metavar="N",
