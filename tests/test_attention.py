@@ -82,29 +82,6 @@ def test_fill_from_pool_matches_gather_for_partial_blocks():
         assert not dst[:, num_tokens:].any()
 
 
-def test_bulk_kv_writes_equal_slot_by_slot_writes():
-    """Whole blocks by index_copy_ and the rest by index_put land where a write of every slot
-    on its own puts them, for chunks starting and ending inside blocks, single-token decode
-    rows and sequences shorter than a block, side by side in one step."""
-    bs, layers = 4, 2
-    g = torch.Generator().manual_seed(3)
-    seqs, blocks, offsets, row = [], [], [], 0
-    for start, n in [(0, 13), (6, 11), (9, 1), (2, 1), (0, 3), (8, 8)]:
-        table = torch.randperm(40, generator=g)[: -(-(start + n) // bs)].tolist()
-        seqs.append(attention.build_seq_attn(row, n, start, table, bs))
-        blocks += [table[p // bs] for p in range(start, start + n)]
-        offsets += [p % bs for p in range(start, start + n)]
-        row += n
-    ctx = attention.plan_kv_writes(seqs, blocks, offsets, bs)
-    assert len(ctx.bulk) == 3  # (0, 13), (6, 11) and (8, 8) hold whole blocks
-    k, v = torch.randn(row, 2, 8, generator=g), torch.randn(row, 2, 8, generator=g)
-    got, want = torch.zeros(40, layers, 2, bs, 2, 8), torch.zeros(40, layers, 2, bs, 2, 8)
-    attention.write_kv(got, 1, k, v, ctx)
-    for r in range(row):
-        want[blocks[r], 1, 0, offsets[r]], want[blocks[r], 1, 1, offsets[r]] = k[r], v[r]
-    assert torch.equal(got, want)
-
-
 def test_mirror_buffers_are_reused_and_stay_in_budget():
     token_bytes = 2 * 2 * 2 * 8 * 4  # layers * k/v * kv heads * dim * float32
     ms = MirrorSet(2, 2, 8, torch.float32, budget_bytes=1024 * token_bytes)

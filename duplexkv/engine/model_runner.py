@@ -6,7 +6,7 @@ import torch
 
 from duplexkv.engine.kv_pool import DTYPE, allocate_pool
 from duplexkv.engine.scheduler import ScheduledSeq
-from duplexkv.layers.attention import build_seq_attn, plan_kv_writes, reset_context, set_context
+from duplexkv.layers.attention import AttnContext, build_seq_attn, reset_context, set_context
 from duplexkv.layers.staging import MirrorSet
 from duplexkv.model.config import ModelConfig
 from duplexkv.model.qwen3 import CausalLM, Rotary
@@ -52,7 +52,7 @@ class ModelRunner:
             row += n
             if item.samples:
                 sample_rows.append(row - 1)
-        set_context(plan_kv_writes(seqs, blocks, offsets, bs))
+        set_context(AttnContext(seqs, torch.tensor(blocks), torch.tensor(offsets)))
         try:
             hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.pool)
         finally:

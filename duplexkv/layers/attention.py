@@ -2,9 +2,8 @@
 
 The pool is one tensor [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]: block b holds
 K and V of `block_size` consecutive positions for every layer. A step's tokens are flattened
-(all sequences back to back); per sequence the layer writes the new K/V into its slots (a
-sequence's whole blocks with one `index_copy_`, the other slots one by one), then attends with
-`scaled_dot_product_attention`:
+(all sequences back to back); per sequence the layer writes the new K/V into its slots, then
+attends with `scaled_dot_product_attention`:
 
     seq tokens     0 ........ start-1 | start ...... start+n-1
                    already in pool    | new this step (queries)
@@ -32,7 +31,7 @@ remainder (fewer than SHAPE_STEP keys) separately, merged by log-sum-exp.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,45 +58,14 @@ class AttnContext:
     seqs: list[SeqAttn]
     slot_blocks: torch.Tensor  # [T] block id of each new token
     slot_offsets: torch.Tensor  # [T] offset inside its block
-    # runs of whole blocks, (first row, block ids): written by one index_copy_ each
-    bulk: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    rest: torch.Tensor | None = None  # rows outside `bulk` (None: every row), slot by slot
-
-
-def plan_kv_writes(seqs: list[SeqAttn], slot_blocks: list[int], slot_offsets: list[int],
-                   block_size: int) -> AttnContext:
-    """The step's attention context, with each sequence's whole new blocks as one bulk copy
-    (a prefill chunk: a third of index_put's time at 8k tokens) and the other slots apart."""
-    bulk, rest = [], []
-    for s in seqs:
-        first = -(-s.start // block_size) * block_size  # the first block boundary from start
-        last = s.ctx_len // block_size * block_size
-        if last - first < block_size:
-            rest.extend(range(s.q_start, s.q_start + s.num_new))
-            continue
-        row = s.q_start + first - s.start
-        bulk.append((row, s.block_table[first // block_size: last // block_size]))
-        rest.extend(range(s.q_start, row))
-        rest.extend(range(row + last - first, s.q_start + s.num_new))
-    if not bulk:
-        return AttnContext(seqs, torch.tensor(slot_blocks), torch.tensor(slot_offsets))
-    return AttnContext(seqs, torch.tensor([slot_blocks[r] for r in rest], dtype=torch.long),
-                       torch.tensor([slot_offsets[r] for r in rest], dtype=torch.long), bulk,
-                       torch.tensor(rest, dtype=torch.long))
 
 
 def write_kv(pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
              ctx: AttnContext) -> None:
-    """This step's K/V [T, KVH, D] into their pool slots."""
-    bs = pool.shape[3]
-    for kv, x in ((0, k), (1, v)):
-        dst = pool[:, layer, kv]  # [num_blocks, bs, KVH, D]
-        for row, ids in ctx.bulk:
-            dst.index_copy_(0, ids, x[row : row + len(ids) * bs].view(-1, bs, *x.shape[1:]))
-        if ctx.rest is None:
-            pool[ctx.slot_blocks, layer, kv, ctx.slot_offsets] = x
-        elif len(ctx.rest):
-            pool[ctx.slot_blocks, layer, kv, ctx.slot_offsets] = x[ctx.rest]
+    """This step's K/V [T, KVH, D] into their pool slots. (One `index_copy_` of a sequence's
+    whole blocks was tried: no faster than this `index_put`, 2k-8k tokens, 1 and 2 threads.)"""
+    pool[ctx.slot_blocks, layer, 0, ctx.slot_offsets] = k
+    pool[ctx.slot_blocks, layer, 1, ctx.slot_offsets] = v
 
 
 def write_mirror(m: Mirror, pool: torch.Tensor, s: SeqAttn, layer: int, k: torch.Tensor,
