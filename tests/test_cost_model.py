@@ -87,18 +87,28 @@ def test_decision_follows_the_model_and_an_explicit_threshold_overrides():
 
 def test_link_model_forgets_old_read_samples():
     """Bandwidth comes only from pulls: a link once measured slow would be declined for good.
-    Samples older than max_age_s are dropped, the prior returns and the next pull re-measures."""
+    Samples older than max_age_s stop counting as measurements; the newest one is then trusted
+    less with its age (doubling per max_age_s up to the prior), so a later turn pulls and
+    re-measures, without betting a READ on the prior right after the samples aged out."""
     now = [0.0]
     link = LinkModel(prior_gbps=10.0, max_age_s=60.0, clock=lambda: now[0])
+    assert (link.estimate("d").gbps, link.estimate("d").measured) == (10.0, False)  # no sample
     link.observe_read("d", 1_000_000, 80.0)  # 0.1 Gbit/s
     now[0] = 59.0
     assert (link.estimate("d").gbps, link.estimate("d").measured) == (pytest.approx(0.1), True)
     link.observe_read("d", 1_000_000, 800.0)  # 0.01 Gbit/s, newer: the max is still 0.1
     now[0] = 61.0
     assert link.estimate("d").gbps == pytest.approx(0.01)  # the 0.1 sample aged out
-    now[0] = 120.0
+    now[0] = 119.5  # every sample old: the newest (0.01 at t=59) doubled per 60 s of its age
     est = link.estimate("d")
-    assert (est.gbps, est.measured) == (10.0, False)
+    assert (est.gbps, est.measured) == (pytest.approx(0.01 * 2 ** (60.5 / 60)), False)
+    assert est.gbps < 0.021  # not the 0.1 sample's, nor the prior
+    now[0] = 239.0
+    assert link.estimate("d").gbps == pytest.approx(0.08)
+    now[0] = 59.0 + 60 * 20  # grown past the prior: capped by it
+    assert link.estimate("d").gbps == 10.0
+    link.observe_read("d", 1_000_000, 0.8)  # a fresh sample counts at once: 10 Gbit/s measured
+    assert link.estimate("d").measured
     with pytest.raises(ValueError):
         LinkModel(max_age_s=0)
 

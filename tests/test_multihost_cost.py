@@ -2,7 +2,8 @@
 own, every link limited by tc tbf), not the stand-in bandwidth of tests/test_cost_model.py: P's
 link model measures the slow link from its own first READ and then declines the pull that the
 fixed 64-token rule takes, whose real READ then costs more than the recompute it avoided. When
-the link is fast again, the slow samples age out and the next turn pulls and measures it afresh.
+the link is fast again, the slow samples age out, the estimate grows from the last one toward the
+prior, and the first turn whose pull pays at the grown estimate pulls and measures it afresh.
 D's answers equal one float32 engine computing each prompt from scratch, every way. Needs root."""
 
 from __future__ import annotations
@@ -92,11 +93,16 @@ def test_measured_slow_link_declines_the_pull_the_fixed_rule_takes(slow_link, or
     assert actual > dec["predicted_recompute_ms"], (actual, dec)
     assert actual > 0.5 * dec["predicted_transfer_ms"], (actual, dec)
 
-    # the link is fast again: once the slow samples are older than MAX_AGE_S the model is back
-    # on its prior, the next turn pulls (a probe) and measures the fast link
+    # the link is fast again: once the slow samples are older than MAX_AGE_S they are trusted
+    # less with their age (the estimate doubles per MAX_AGE_S); when it has grown past the
+    # bandwidth at which the READ costs what the recompute does, the next turn pulls (a probe)
+    # and measures the fast link
     for h in net.names:
         net.shape(h, None)
+    pays = gbps * dec["predicted_transfer_ms"] / dec["predicted_recompute_ms"]
     wait_for(lambda: not link(client, pm)["measured"], MAX_AGE_S + 10, "slow samples aged out")
+    assert link(client, pm)["gbps"] < 0.5 * pays  # not back on the 10 Gbit/s prior at once
+    wait_for(lambda: link(client, pm)["gbps"] > 1.5 * pays, 8 * MAX_AGE_S + 10, "estimate grown")
     probe = second_turn(client, d, pf, pm, oracle, 3)
     assert probe["pull_outcome"] == "pulled" and probe["pull_decision"]["link_measured"] is False
     again = second_turn(client, d, pf, pm, oracle, 4)

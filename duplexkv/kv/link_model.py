@@ -3,18 +3,23 @@
     rtt        the peer's verify round trips (side channel), min over the last WINDOW
     bandwidth  bytes / time of the READs from it, max over the last WINDOW younger than
                `max_age_s` (config `kv_link_sample_max_age_s`, 60 s)
-    prior      before a peer's first sample, and again once its READ samples are all older than
-               `max_age_s`: `prior_rtt_ms`, `prior_gbps` (config)
+    stale      once every READ sample is older than `max_age_s`: the newest sample's bandwidth,
+               doubled for each `max_age_s` of its age (2x at max_age_s, 4x at twice that, ...),
+               capped by the prior
+    prior      before a peer's first sample: `prior_rtt_ms`, `prior_gbps` (config)
     assumed    `assumed_gbps` > 0 replaces every measured bandwidth (a stand-in for a shaped link
                when none is at hand, e.g. on loopback; the multi-host harness shapes real ones)
 Min and max filters (as BBR uses) because the samples are taken where the engine thread polls:
 a READ that finished while a long prefill step ran looks slower than it was, never faster, and
 the best recent sample is the link's. Bandwidth samples age out because they come only from
 pulls: a link measured slow (congestion, or one READ that landed behind a long step) would
-otherwise be declined for good and never measured again; on the prior the next gainful turn
-pulls and measures it afresh (one probe per `max_age_s` on a link that stays slow). RTT needs
-no age: every verify, pull or not, samples it. Updated from kv-net threads (rtt) and the
-engine thread (bandwidth), read on the engine thread: guarded by a lock.
+otherwise be declined for good and never measured again. An old sample is trusted less, not
+forgotten: the stale estimate grows from it toward the prior, so the first turn whose pull pays
+at the grown estimate re-measures the link; on a link that stayed slow that probe's READ takes
+as many times longer than predicted as the estimate grew (2x per `max_age_s` waited), where a
+return to the prior bet 10 Gbit/s at once (a 32 MiB READ over 20 Mbit/s ran into its read
+timeout). RTT needs no age: every verify, pull or not, samples it. Updated from kv-net threads
+(rtt) and the engine thread (bandwidth), read on the engine thread: guarded by a lock.
 """
 
 from __future__ import annotations
@@ -80,11 +85,19 @@ class LinkModel:
         with self._lock:
             p = self._peers.get(peer)
             rtt = min(p.rtts_ms) if p and p.rtts_ms else self.prior_rtt_ms
-            young = self.clock() - self.max_age_s
-            bw = max((v for t, v in p.reads if t >= young), default=0) * 8 / 1e6 if p else 0
+            now = self.clock()
+            bw = max((v for t, v in p.reads if t >= now - self.max_age_s), default=0) * 8 / 1e6 \
+                if p else 0
+            newest = p.reads[-1] if p and p.reads else None
         if self.assumed_gbps > 0:
             return LinkEstimate(rtt, self.assumed_gbps, False)
-        return LinkEstimate(rtt, bw if bw > 0 else self.prior_gbps, bw > 0)
+        if bw > 0:
+            return LinkEstimate(rtt, bw, True)
+        if newest is None:
+            return LinkEstimate(rtt, self.prior_gbps, False)
+        t, v = newest  # stale: the newest sample, trusted less with its age
+        grown = v * 8 / 1e6 * 2 ** ((now - t) / self.max_age_s)
+        return LinkEstimate(rtt, min(self.prior_gbps, grown), False)
 
     def state(self) -> dict:
         with self._lock:
