@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from duplexkv.layers.attention import paged_attention
+from duplexkv.layers.linear import Linear, linear
 from duplexkv.model.config import ModelConfig
 
 
@@ -62,9 +63,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -96,8 +97,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -125,7 +126,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -139,7 +140,7 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight).float()
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,57 @@
+"""A linear layer whose few-row products (decode steps, the logits of a step) avoid the slow
+small-M path of the CPU BLAS.
+
+`F.linear(x, W)` with x [M, in] and W [out, in] reaches the BLAS as a GEMM whose short side is
+M. For a few rows (a decode step of 1-16 sequences, the last positions' logits) the MKL in
+PyTorch's CPU wheel takes a path that on some CPUs is far slower than the same product asked for
+the other way round, `(W @ x.T).T`, whose short side is N. On an AMD EPYC (Zen 3, AVX2, float32,
+2 threads, the bench model's 8 layers + LM head, weights out of cache, one process), one decode
+step's matmuls took 34.9 ms with F.linear and 21.6 ms this way at 1 row, 62.6 and 31.7 ms at 8
+rows; in the engine under the workers' OMP_WAIT_POLICY=PASSIVE, 32.3 -> 29.2 ms per step at 4k
+context (batch 1) and 91.2 -> 85.5 ms (batch 8) (`duplexkv bench engine_ab`); a worker's time per output token at 4k context went from 42.6 to 34.8 ms (batch 1) and from 131 to
+103 ms (batch 8) (`duplexkv bench vs_vllm --servers duplexkv`, with `DUPLEXKV_SMALL_GEMM=0` for
+the old path). The product is the same sum of the same terms; the BLAS may add them in another
+order, so results can differ from `F.linear` in the last bits, as they already do between two BLAS
+kernels (a prefill and a decode step of the same tokens never ran the same kernel).
+
+Rows up to `SMALL_ROWS` take that path (one row is padded to two: a one-column GEMM is routed to
+the slow GEMV path again); more rows (prefill chunks) keep `F.linear`, where the large GEMM is
+fast either way and its output needs no transpose. `DUPLEXKV_SMALL_GEMM=0` turns the path off
+(A/B measurements, or a BLAS where it does not pay).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SMALL_ROWS = 128  # bench model, 2 threads: (W @ x.T).T was faster at every M up to 256
+
+
+def _enabled() -> bool:
+    return os.environ.get("DUPLEXKV_SMALL_GEMM", "1") != "0"
+
+
+ENABLED = _enabled()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for x [M, in]; few rows through `weight @ x.T`."""
+    m = x.shape[0]
+    if not ENABLED or x.dim() != 2 or m > SMALL_ROWS or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    if m == 1:
+        out = torch.mm(weight, x.expand(2, -1).contiguous().t())[:, :1].t().contiguous()
+    else:
+        out = torch.mm(weight, x.t()).t().contiguous()
+    return out if bias is None else out.add_(bias)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters and state-dict names) computed by `linear` above."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
