@@ -97,9 +97,12 @@ def result_line(r: Result) -> str:
     if r.error:
         return (f"[red]{r.mode:5s} {r.conversation} turn {r.turn:2d}  FAILED: "
                 f"{escape(r.error)}[/red]")
+    if r.placement == "decode_local":  # no P leg: D reused what it kept of the history
+        reuse = f"kept on D    {r.local_hit_tokens:6,d}"
+    else:
+        reuse = f"pulled from D {r.pulled_tokens:6,d}"
     return (f"{r.mode:5s} {r.conversation} turn {r.turn:2d}  context {r.context_tokens:6,d}  "
-            f"TTFT {r.ttft_ms:8,.0f} ms  pulled from D {r.pulled_tokens:6,d}  "
-            f"recomputed {r.recomputed_tokens:6,d}")
+            f"TTFT {r.ttft_ms:8,.0f} ms  {reuse}  recomputed {r.recomputed_tokens:6,d}")
 
 
 def run_modes(cfg: BenchConfig, console: Console, convs: list[Conversation],
