@@ -113,6 +113,19 @@ def test_link_model_forgets_old_read_samples():
         LinkModel(max_age_s=0)
 
 
+def test_a_timed_out_read_replaces_the_peers_samples():
+    """A READ that ran into the read timeout bounds the link (bytes / time waited) and replaces
+    the faster samples from before: the next decision declines instead of pulling again."""
+    now = [0.0]
+    link = LinkModel(prior_gbps=10.0, max_age_s=60.0, clock=lambda: now[0])
+    link.observe_read("d", 1_000_000, 0.8)  # 10 Gbit/s a moment ago
+    now[0] = 5.0
+    link.observe_timed_out_read("d", 32 << 20, 10_000.0)  # 32 MiB not landed after 10 s
+    est = link.estimate("d")
+    assert est.measured and est.gbps == pytest.approx((32 << 20) * 8 / 10_000 / 1e6)
+    assert est.transfer_ms(32 << 20) >= 10_000  # the same pull is now predicted to take as long
+
+
 def test_config_threshold_is_the_cost_model_unless_set():
     assert KVTransferConfig.parse({}).kv_recompute_threshold is None
     cfg = KVTransferConfig.parse({"kv_connector_extra_config": {"kv_recompute_threshold": 0,

@@ -297,6 +297,10 @@ def test_p_d_link_down_in_the_middle_of_a_read(hosts, oracle):
         assert stats["prefill"]["pulled_tokens"] == 0, stats  # the READ failed: recomputed
         assert stats["prefill"]["pull_outcome"] != "pulled", stats
         assert took < 9, f"{took:.1f} s"
+        # the timed-out READ is a sample: P's link model now holds D's link at most its bytes
+        # over the 2 s waited (before, it kept its earlier fast samples or the 10 Gbit/s prior)
+        links = health(ps[["p0", "p1"].index(cut[0])])["kv_transfer"]["links"]["peers"]
+        assert any(e["measured"] and e["gbps"] < 0.05 for e in links.values()), links
         report("P-D link down in the middle of a READ (4 Mbit/s link)", [took], healthy)
     finally:
         for h in cut:

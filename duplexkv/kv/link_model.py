@@ -18,7 +18,8 @@ forgotten: the stale estimate grows from it toward the prior, so the first turn 
 at the grown estimate re-measures the link; on a link that stayed slow that probe's READ takes
 as many times longer than predicted as the estimate grew (2x per `max_age_s` waited), where a
 return to the prior bet 10 Gbit/s at once (a 32 MiB READ over 20 Mbit/s ran into its read
-timeout). RTT needs no age: every verify, pull or not, samples it. Updated from kv-net threads
+timeout). A READ that runs into the read timeout is a sample too: the link is at most its bytes
+over the time waited. RTT needs no age: every verify, pull or not, samples it. Updated from kv-net threads
 (rtt) and the engine thread (bandwidth), read on the engine thread: guarded by a lock.
 """
 
@@ -80,6 +81,17 @@ class LinkModel:
         if nbytes > 0 and ms > 0:
             with self._lock:
                 self._peer(peer).reads.append((self.clock(), nbytes / ms))
+
+    def observe_timed_out_read(self, peer: str, nbytes: int, ms: float) -> None:
+        """A READ of `nbytes` had not landed after `ms`: the link is slower than nbytes / ms, so
+        that is a sample (an optimistic one), and it replaces the peer's others: a faster one
+        from before says nothing about the link now. Without it a probe at the grown stale
+        estimate that ran into the read timeout taught nothing, and later turns pulled again."""
+        if nbytes > 0 and ms > 0:
+            with self._lock:
+                reads = self._peer(peer).reads
+                reads.clear()
+                reads.append((self.clock(), nbytes / ms))
 
     def estimate(self, peer: str) -> LinkEstimate:
         with self._lock:
