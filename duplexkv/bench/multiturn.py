@@ -95,12 +95,9 @@ def conversations(cfg: BenchConfig, tok) -> list[Conversation]:
 
 def result_line(r: Result) -> str:
     if r.error:
-        return (f"[red]{r.mode:5s} {r.conversation} turn {r.turn:2d}  FAILED: "
-                f"{escape(r.error)}[/red]")
-    if r.placement == "decode_local":  # no P leg: D reused what it kept of the history
-        reuse = f"kept on D    {r.local_hit_tokens:6,d}"
-    else:
-        reuse = f"pulled from D {r.pulled_tokens:6,d}"
+        return f"[red]{r.mode:5s} {r.conversation} turn {r.turn:2d} FAILED: {escape(r.error)}[/red]"
+    reuse = (f"kept on D     {r.local_hit_tokens:6,d}" if r.placement == "decode_local"
+             else f"pulled from D {r.pulled_tokens:6,d}")  # decode_local: D reused its own
     return (f"{r.mode:5s} {r.conversation} turn {r.turn:2d}  context {r.context_tokens:6,d}  "
             f"TTFT {r.ttft_ms:8,.0f} ms  {reuse}  recomputed {r.recomputed_tokens:6,d}")
 
