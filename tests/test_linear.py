@@ -2,6 +2,7 @@
 contiguous outputs that the layers can view, bias added, large products left to F.linear
 bit for bit, the switch that turns it off, and the model's projections built on it."""
 
+import os
 import subprocess
 import sys
 
@@ -45,7 +46,7 @@ def test_the_switch_restores_f_linear():
             "w = torch.randn(300, 40); x = torch.randn(3, 40); "
             "assert not l.ENABLED and torch.equal(l.linear(x, w), F.linear(x, w))")
     subprocess.run([sys.executable, "-c", code], check=True,
-                   env={**__import__("os").environ, "DUPLEXKV_SMALL_GEMM": "0"})
+                   env={**os.environ, "DUPLEXKV_SMALL_GEMM": "0"})
 
 
 def test_model_layers_use_it():

@@ -19,8 +19,9 @@ at the grown estimate re-measures the link; on a link that stayed slow that prob
 as many times longer than predicted as the estimate grew (2x per `max_age_s` waited), where a
 return to the prior bet 10 Gbit/s at once (a 32 MiB READ over 20 Mbit/s ran into its read
 timeout). A READ that runs into the read timeout is a sample too: the link is at most its bytes
-over the time waited. RTT needs no age: every verify, pull or not, samples it. Updated from kv-net threads
-(rtt) and the engine thread (bandwidth), read on the engine thread: guarded by a lock.
+over the time waited. RTT needs no age: every verify, pull or not, samples it. Updated from
+kv-net threads (rtt) and the engine thread (bandwidth), read on the engine thread: guarded by a
+lock.
 """
 
 from __future__ import annotations

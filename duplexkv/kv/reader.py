@@ -331,12 +331,12 @@ class Reader:
             self.transport.release(pull.handle)
             return self._landed(pull)
         if state is XferState.FAILED:
-            err = pull.handle.error or "transfer failed"
             h = pull.handle
+            err = h.error or "transfer failed"
             if h.finished is not None and h.finished >= h.deadline:  # timed out: a bound
                 self.link.observe_timed_out_read(pull.params.remote_engine_id or "", pull.nbytes,
                                                  h.elapsed_s * 1e3)
-            self.transport.release(pull.handle)
+            self.transport.release(h)
             return self._decline(pull, "failed", err)
         if now - pull.last_heartbeat > self.cfg.heartbeat_interval_s:
             pull.last_heartbeat = now

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from duplexkv.layers.attention import paged_attention
-from duplexkv.layers.linear import Linear, linear
+from duplexkv.layers.linear import Linear
 from duplexkv.model.config import ModelConfig
 
 
@@ -64,7 +64,7 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
+                               bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
@@ -140,7 +140,7 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
