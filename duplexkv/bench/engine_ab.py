@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", WORKER, "--serve", str(max_len), args.dtype], env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=os.path.abspath(tree))
+        # cwd: `python -m` puts the working directory before PYTHONPATH on sys.path, so from
+        # inside one tree both processes used to import that tree's code
     try:
         for p in procs.values():
             while (line := p.stdout.readline()) and line.strip() != "ready":

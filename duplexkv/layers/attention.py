@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from duplexkv.layers import native
 from duplexkv.layers.staging import Mirror, fill_from_pool
 
 
@@ -190,6 +191,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     group = q.shape[1] // num_kv
     step = shape_step(q.dtype)
     out = torch.empty_like(q)
+    use_native = native.attention_ok(q, num_kv)
+    decode_rows, decode_k, decode_v = [], [], []  # one-token sequences for the native kernel
     for s in ctx.seqs:
         rows = slice(s.q_start, s.q_start + s.num_new)
         m = s.mirror
@@ -204,6 +207,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
                 sv = _gather(pool, s, layer, 1, num_kv, k.shape[-1])[: s.ctx_len]
             # SDPA's fast CPU kernel needs 4-D [batch, heads, len, dim]; 3-D takes the math path
             sk, sv = sk.transpose(0, 1)[None], sv.transpose(0, 1)[None]  # [1, KVH, S, D]
+        if s.num_new == 1 and use_native:
+            decode_rows.append(s.q_start)
+            decode_k.append(sk[0])
+            decode_v.append(sv[0])
+            continue
         if s.num_new == 1:
             # one query: fold the query heads of a KV group into the query-length axis
             qh = q[rows].view(1, num_kv, group, -1)
@@ -222,4 +230,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
                 _pad_len(qh, 0, pad), _pad_len(sk, 0, pad), _pad_len(sv, 0, pad),
                 attn_mask=s.mask, is_causal=s.mask is None, scale=scale)
             out[rows] = o[0, :, : s.num_new].transpose(0, 1)
+    if decode_rows:
+        _native_decode(q, out, decode_rows, decode_k, decode_v, scale)
     return out
+
+
+def _native_decode(q: torch.Tensor, out: torch.Tensor, rows: list[int], keys: list[torch.Tensor],
+                   values: list[torch.Tensor], scale: float) -> None:
+    """out[rows] <- one-token attention of q[rows] over each row's keys/values, in one call."""
+    if len(rows) == q.shape[0]:  # a pure decode step: rows are 0..B-1 in order
+        out.copy_(native.decode_attention(q, keys, values, scale))
+        return
+    idx = torch.tensor(rows)
+    out[idx] = native.decode_attention(q[idx], keys, values, scale)

@@ -29,7 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from duplexkv.layers import native
+
 SMALL_ROWS = 128  # bench model, 2 threads: (W @ x.T).T was faster at every M up to 256
+NATIVE_ROWS = 16  # float32 products this short run native.linear (faster at 1-16 rows)
 ENABLED = os.environ.get("DUPLEXKV_SMALL_GEMM", "1") != "0"
 
 
@@ -38,7 +41,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m = x.shape[0]
     if not ENABLED or x.dim() != 2 or m > SMALL_ROWS or x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    if m == 1:
+    if m <= NATIVE_ROWS and native.linear_ok(x, weight):
+        out = native.linear(x, weight)
+    elif m == 1:
         out = torch.mm(weight, x.expand(2, -1).contiguous().t())[:, :1].t().contiguous()
     else:
         out = torch.mm(weight, x.t()).t().contiguous()

@@ -1,0 +1,201 @@
+/* Decode-step kernels for float32 on the CPU, built on the machine that runs them (native.py).
+ *
+ * dkv_linear: y[M, N] = x[M, K] . w[N, K]^T for few rows M. A GEMM library packs w (the large
+ * operand) before multiplying, which for a few rows costs more than the product; here each
+ * weight row is read from memory once and kept in L1 while every row of x meets it.
+ *
+ * dkv_decode_attn: one query token per sequence (grouped-query heads: G query heads share a
+ * KV head) over that sequence's cached keys and values, every sequence of a step in one
+ * parallel region. The keys are split in chunks (flash-decoding): each (sequence, KV head,
+ * chunk) computes its softmax partials, then a second pass merges a head's chunks by their
+ * maxima. A key or value row j of KV head h sits at base + h * head_stride + j * row_stride
+ * floats, so a contiguous mirror [KVH, cap, D] and a gathered [L, KVH, D] both fit.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+static inline v8 load8(const float *p) { return *(const v8 *)p; }
+
+static inline float hsum8(v8 a) {
+    typedef float v4 __attribute__((vector_size(16)));
+    v4 h = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (h[0] + h[2]) + (h[1] + h[3]);
+}
+
+/* (sum a[0], ..., sum a[7]): the eight horizontal sums in one vector (three shuffle-add levels) */
+static inline v8 reduce8(const v8 a[8]) {
+    v8 p[4], q[2];
+    for (int i = 0; i < 4; i++)
+        p[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        q[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(p[2 * i], p[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(q[0], q[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(q[0], q[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+static inline void store_row(float *y, int64_t rows, v8 a0, v8 a1, v8 a2, v8 a3) {
+    y[0] = hsum8(a0);
+    if (rows > 1) y[1] = hsum8(a1);
+    if (rows > 2) y[2] = hsum8(a2);
+    if (rows > 3) y[3] = hsum8(a3);
+}
+
+int dkv_abi(void) { return 1; }
+
+void dkv_linear(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                int nthreads) {
+    const int64_t nblocks = (N + 3) / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t n0 = b * 4;
+        const int64_t rows = N - n0 < 4 ? N - n0 : 4;
+        const float *w0 = w + n0 * K;
+        const float *w1 = w0 + (rows > 1 ? K : 0);
+        const float *w2 = w0 + (rows > 2 ? 2 * K : 0);
+        const float *w3 = w0 + (rows > 3 ? 3 * K : 0);
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) { /* two rows of x meet the four weight rows */
+            const float *xa = x + m * K, *xb = xa + K;
+            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+            for (int64_t k = 0; k < K; k += 8) {
+                const v8 xv = load8(xa + k), yv = load8(xb + k);
+                const v8 u0 = load8(w0 + k), u1 = load8(w1 + k), u2 = load8(w2 + k),
+                         u3 = load8(w3 + k);
+                a0 += u0 * xv, a1 += u1 * xv, a2 += u2 * xv, a3 += u3 * xv;
+                b0 += u0 * yv, b1 += u1 * yv, b2 += u2 * yv, b3 += u3 * yv;
+            }
+            store_row(y + m * N + n0, rows, a0, a1, a2, a3);
+            store_row(y + (m + 1) * N + n0, rows, b0, b1, b2, b3);
+        }
+        for (; m < M; m++) {
+            const float *xm = x + m * K;
+            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t k = 0; k < K; k += 8) {
+                const v8 xv = load8(xm + k);
+                a0 += load8(w0 + k) * xv;
+                a1 += load8(w1 + k) * xv;
+                a2 += load8(w2 + k) * xv;
+                a3 += load8(w3 + k) * xv;
+            }
+            store_row(y + m * N + n0, rows, a0, a1, a2, a3);
+        }
+    }
+}
+
+#define MAX_G 16
+#define CHUNK 256
+
+/* One chunk of keys [j0, j1) for the G queries of one KV head: writes, per query, its maximum
+ * score, the sum of exp(score - max) and the unnormalised sum of exp-weighted value rows. */
+static void attn_chunk(const float *q, const float *k, const float *v, int64_t row_stride,
+                       int64_t j0, int64_t j1, int64_t G, int64_t D, float scale, float *part) {
+    float s[MAX_G][CHUNK] __attribute__((aligned(32)));
+    const int64_t n = j1 - j0, full = n / 8 * 8;
+    const float *kc = k + j0 * row_stride, *vc = v + j0 * row_stride;
+    for (int64_t g = 0; g < G; g++) {
+        const float *qg = q + g * D;
+        for (int64_t j = 0; j < full; j += 8) { /* eight keys' scores for query g at once */
+            v8 acc[8] = {{0}};
+            for (int64_t d = 0; d < D; d += 8) {
+                const v8 qv = load8(qg + d);
+                for (int t = 0; t < 8; t++) acc[t] += qv * load8(kc + (j + t) * row_stride + d);
+            }
+            *(v8 *)(s[g] + j) = reduce8(acc) * scale;
+        }
+        for (int64_t j = full; j < n; j++) {
+            v8 acc = {0};
+            for (int64_t d = 0; d < D; d += 8) acc += load8(qg + d) * load8(kc + j * row_stride + d);
+            s[g][j] = hsum8(acc) * scale;
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float mx = -FLT_MAX, sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; j++) {
+            s[g][j] = expf(s[g][j] - mx);
+            sum += s[g][j];
+        }
+        float *pg = part + g * (D + 2);
+        pg[0] = mx;
+        pg[1] = sum;
+        for (int64_t d0 = 0; d0 < D; d0 += 64) { /* up to eight vectors of the output at once */
+            const int64_t w = D - d0 < 64 ? (D - d0) / 8 : 8;
+            v8 acc[8] = {{0}};
+            for (int64_t j = 0; j < n; j++) {
+                const float p = s[g][j];
+                const float *vj = vc + j * row_stride + d0;
+                for (int64_t c = 0; c < w; c++) acc[c] += load8(vj + 8 * c) * p;
+            }
+            for (int64_t c = 0; c < w; c++) memcpy(pg + 2 + d0 + 8 * c, &acc[c], sizeof(v8));
+        }
+    }
+}
+
+/* q, out: [B, KVH * G, D] contiguous. Per sequence b: k_base[b], v_base[b] (addresses),
+ * head_stride[b], row_stride[b] (floats), length[b] >= 1. Returns 0, or -1 if out of memory
+ * or the shape is beyond the kernel's limits (G > MAX_G, D % 8 != 0). */
+int dkv_decode_attn(const float *q, float *out, const int64_t *k_base, const int64_t *v_base,
+                    const int64_t *head_stride, const int64_t *row_stride, const int64_t *length,
+                    int64_t B, int64_t KVH, int64_t G, int64_t D, float scale, int nthreads) {
+    if (G > MAX_G || D % 8 != 0 || B <= 0) return -1;
+    int64_t *first = malloc((size_t)(B + 1) * sizeof(int64_t)); /* first unit of sequence b */
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + KVH * ((length[b] + CHUNK - 1) / CHUNK);
+    const int64_t units = first[B];
+    const int64_t part_len = G * (D + 2);
+    float *parts = malloc((size_t)units * part_len * sizeof(float));
+    if (!parts) {
+        free(first);
+        return -1;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            int64_t b = 0;
+            while (first[b + 1] <= u) b++;
+            const int64_t chunks = (length[b] + CHUNK - 1) / CHUNK;
+            const int64_t h = (u - first[b]) / chunks, c = (u - first[b]) % chunks;
+            const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < length[b] ? j0 + CHUNK : length[b];
+            const float *kh = (const float *)(intptr_t)k_base[b] + h * head_stride[b];
+            const float *vh = (const float *)(intptr_t)v_base[b] + h * head_stride[b];
+            attn_chunk(q + (b * KVH + h) * G * D, kh, vh, row_stride[b], j0, j1, G, D, scale,
+                       parts + u * part_len);
+        }
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * KVH; bh++) {
+            const int64_t b = bh / KVH, h = bh % KVH;
+            const int64_t chunks = (length[b] + CHUNK - 1) / CHUNK;
+            const float *p0 = parts + (first[b] + h * chunks) * part_len;
+            for (int64_t g = 0; g < G; g++) {
+                float mx = -FLT_MAX, sum = 0.0f;
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float m = p0[c * part_len + g * (D + 2)];
+                    mx = m > mx ? m : mx;
+                }
+                float *o = out + (bh * G + g) * D;
+                memset(o, 0, (size_t)D * sizeof(float));
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *pg = p0 + c * part_len + g * (D + 2);
+                    const float w = expf(pg[0] - mx);
+                    sum += w * pg[1];
+                    for (int64_t d = 0; d < D; d++) o[d] += w * pg[2 + d];
+                }
+                const float inv = 1.0f / sum;
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            }
+        }
+    }
+    free(parts);
+    free(first);
+    return 0;
+}

@@ -1,0 +1,111 @@
+"""The native float32 decode kernels against PyTorch's own results, and their build fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from duplexkv.layers import native
+
+
+def test_the_kernels_build_here():
+    # CI has a C compiler: a silent fallback to the PyTorch paths would hide every test below
+    assert native.available(), "native kernels did not build (see the log's warning)"
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("n,k", [(64, 64), (67, 192), (4096, 32), (5, 8)])
+def test_linear_matches_torch(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    assert native.linear_ok(x, w)
+    torch.testing.assert_close(native.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_refuses_what_it_cannot_take():
+    w = torch.randn(16, 12)
+    assert not native.linear_ok(torch.randn(2, 12), w)  # K not a multiple of 8
+    assert not native.linear_ok(torch.randn(2, 16).bfloat16(), torch.randn(4, 16).bfloat16())
+    assert not native.linear_ok(torch.randn(16, 2).t(), torch.randn(4, 16))  # x not contiguous
+
+
+def _sdpa(q, k, v, scale):
+    """q [H, D] over k/v [KVH, L, D], heads of a KV group adjacent (the engine's fold)."""
+    kvh = k.shape[0]
+    qh = q.view(1, kvh, q.shape[0] // kvh, q.shape[1])
+    return F.scaled_dot_product_attention(qh, k[None], v[None], scale=scale).reshape(q.shape)
+
+
+@pytest.mark.parametrize("kvh,group,d", [(1, 2, 32), (2, 4, 64), (4, 1, 16), (1, 16, 128)])
+def test_decode_attention_matches_sdpa_over_mixed_lengths(kvh, group, d):
+    g = torch.Generator().manual_seed(kvh * 100 + group * 10 + d)
+    lengths = [1, 7, 8, 255, 256, 257, 1000]  # around the kernel's 8-key and 256-key blocks
+    cap = max(lengths) + 5
+    mirrors = [torch.randn(2, kvh, cap, d, generator=g) for _ in lengths]  # [K/V, KVH, cap, D]
+    keys = [m[0, :, :n] for m, n in zip(mirrors, lengths)]
+    values = [m[1, :, :n] for m, n in zip(mirrors, lengths)]
+    q = torch.randn(len(lengths), kvh * group, d, generator=g)
+    scale = d**-0.5
+    out = native.decode_attention(q, keys, values, scale)
+    for i in range(len(lengths)):
+        torch.testing.assert_close(out[i], _sdpa(q[i], keys[i], values[i], scale),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_decode_attention_reads_token_major_gathers():
+    # the engine's gathered context is [L, KVH, D]: heads are D floats apart, rows KVH * D
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(300, 2, 64, generator=g), torch.randn(300, 2, 64, generator=g)
+    q = torch.randn(1, 8, 64, generator=g)
+    out = native.decode_attention(q, [k.transpose(0, 1)], [v.transpose(0, 1)], 0.125)
+    ref = _sdpa(q[0], k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), 0.125)
+    torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_loading_the_kernels_keeps_denormals():
+    # -ffast-math at link time would switch the whole process to flush-to-zero
+    assert native.available()
+    tiny = torch.tensor([1e-39], dtype=torch.float32)
+    assert (tiny * 1.0).item() != 0.0
+
+
+def test_without_a_compiler_the_engine_falls_back(tmp_path):
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "DUPLEXKV_CACHE_DIR": str(tmp_path)}
+    code = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
+            "from duplexkv.layers import native\nprint(native.available())\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+    assert "native decode kernels unavailable" in r.stderr and "no-such-cc" in r.stderr
+
+
+def test_engine_tokens_equal_the_pytorch_paths(tiny_model_dir):
+    """Greedy tokens with the kernels equal those without (the same engine, PyTorch's linear and
+    SDPA), for a batch whose steps mix prefill chunks with decode rows and for mirror-less
+    sequences (gathered context)."""
+    import random
+
+    from duplexkv import LLM, SamplingParams
+
+    rng = random.Random(7)
+    ps = [[rng.randrange(3, 4000) for _ in range(rng.randint(20, 300))] for _ in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outs = {}
+    for mode in ("native", "torch", "no-mirrors"):
+        llm = LLM(str(tiny_model_dir), dtype="float32", max_num_batched_tokens=64,
+                  num_kv_blocks=256)
+        if mode == "no-mirrors":
+            llm.engine.runner.mirrors.budget_bytes = 0
+        lib = native.library()
+        native._lib = None if mode == "torch" else lib
+        try:
+            outs[mode] = [o.token_ids for o in llm.generate(ps, params)]
+        finally:
+            native._lib = lib
+    assert outs["native"] == outs["torch"] == outs["no-mirrors"]
