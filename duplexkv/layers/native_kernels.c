@@ -92,16 +92,25 @@ void dkv_linear(const float *x, const float *w, float *y, int64_t M, int64_t N, 
 #define MAX_G 16
 #define CHUNK 256
 
+#define PREFETCH 32 /* keys ahead */
+
+static inline void prefetch_rows(const float *base, int64_t row_stride, int64_t D, int64_t rows) {
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(base + t * row_stride + d);
+}
+
 /* One chunk of keys [j0, j1) for the G queries of one KV head: writes, per query, its maximum
- * score, the sum of exp(score - max) and the unnormalised sum of exp-weighted value rows. */
+ * score, the sum of exp(score - max) and the unnormalised sum of exp-weighted value rows. Eight
+ * keys (and value rows) at a time meet every query while they are in L1. */
 static void attn_chunk(const float *q, const float *k, const float *v, int64_t row_stride,
                        int64_t j0, int64_t j1, int64_t G, int64_t D, float scale, float *part) {
     float s[MAX_G][CHUNK] __attribute__((aligned(32)));
     const int64_t n = j1 - j0, full = n / 8 * 8;
     const float *kc = k + j0 * row_stride, *vc = v + j0 * row_stride;
-    for (int64_t g = 0; g < G; g++) {
-        const float *qg = q + g * D;
-        for (int64_t j = 0; j < full; j += 8) { /* eight keys' scores for query g at once */
+    for (int64_t j = 0; j < full; j += 8) {
+        if (j + PREFETCH + 8 <= n) prefetch_rows(kc + (j + PREFETCH) * row_stride, row_stride, D, 8);
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = q + g * D;
             v8 acc[8] = {{0}};
             for (int64_t d = 0; d < D; d += 8) {
                 const v8 qv = load8(qg + d);
@@ -109,13 +118,14 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
             }
             *(v8 *)(s[g] + j) = reduce8(acc) * scale;
         }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float *qg = q + g * D;
         for (int64_t j = full; j < n; j++) {
             v8 acc = {0};
             for (int64_t d = 0; d < D; d += 8) acc += load8(qg + d) * load8(kc + j * row_stride + d);
             s[g][j] = hsum8(acc) * scale;
         }
-    }
-    for (int64_t g = 0; g < G; g++) {
         float mx = -FLT_MAX, sum = 0.0f;
         for (int64_t j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
 #pragma omp simd reduction(+ : sum)
@@ -126,6 +136,9 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
         float *pg = part + g * (D + 2);
         pg[0] = mx;
         pg[1] = sum;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *pg = part + g * (D + 2);
         for (int64_t d0 = 0; d0 < D; d0 += 64) { /* up to eight vectors of the output at once */
             const int64_t w = D - d0 < 64 ? (D - d0) / 8 : 8;
             v8 acc[8] = {{0}};
