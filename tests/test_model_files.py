@@ -363,6 +363,17 @@ def test_cli_make_model(tmp_path: Path, capsys) -> None:
 @torch.no_grad()
 def test_tiny_model_has_clear_margins_and_uses_context(tiny_model_dir: Path) -> None:
     torch.manual_seed(0)
+    # one thread: HF's generate on a 0.4 M-parameter model is all per-op overhead, which a
+    # second OpenMP thread only adds to (the margins are far above any summation-order change)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _check_margins_and_context(tiny_model_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_margins_and_context(tiny_model_dir: Path) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     hf.eval()
     vocab = hf.config.vocab_size

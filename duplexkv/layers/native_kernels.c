@@ -108,7 +108,8 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
     const int64_t n = j1 - j0, full = n / 8 * 8;
     const float *kc = k + j0 * row_stride, *vc = v + j0 * row_stride;
     for (int64_t j = 0; j < full; j += 8) {
-        if (j + PREFETCH + 8 <= n) prefetch_rows(kc + (j + PREFETCH) * row_stride, row_stride, D, 8);
+        if (j + PREFETCH + 8 <= n)
+            prefetch_rows(kc + (j + PREFETCH) * row_stride, row_stride, D, 8);
         for (int64_t g = 0; g < G; g++) {
             const float *qg = q + g * D;
             v8 acc[8] = {{0}};
@@ -123,7 +124,8 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
         const float *qg = q + g * D;
         for (int64_t j = full; j < n; j++) {
             v8 acc = {0};
-            for (int64_t d = 0; d < D; d += 8) acc += load8(qg + d) * load8(kc + j * row_stride + d);
+            for (int64_t d = 0; d < D; d += 8)
+                acc += load8(qg + d) * load8(kc + j * row_stride + d);
             s[g][j] = hsum8(acc) * scale;
         }
         float mx = -FLT_MAX, sum = 0.0f;
@@ -162,7 +164,8 @@ int dkv_decode_attn(const float *q, float *out, const int64_t *k_base, const int
     int64_t *first = malloc((size_t)(B + 1) * sizeof(int64_t)); /* first unit of sequence b */
     if (!first) return -1;
     first[0] = 0;
-    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + KVH * ((length[b] + CHUNK - 1) / CHUNK);
+    for (int64_t b = 0; b < B; b++)
+        first[b + 1] = first[b] + KVH * ((length[b] + CHUNK - 1) / CHUNK);
     const int64_t units = first[B];
     const int64_t part_len = G * (D + 2);
     float *parts = malloc((size_t)units * part_len * sizeof(float));
