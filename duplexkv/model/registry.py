@@ -7,19 +7,12 @@ import dataclasses
 import fcntl
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from duplexkv.model.config import ModelLoadError
 from duplexkv.model.hf_cache import hub_cache_dir, is_repo_id, snapshot_dir
 from duplexkv.model.presets import PRESETS, SYNTH_VERSION, get_preset
-
-
-def cache_dir() -> Path:
-    if env := os.environ.get("DUPLEXKV_CACHE_DIR"):
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "duplexkv"
+from duplexkv.paths import cache_dir
 
 
 def preset_dir(preset: str, seed: int = 0) -> Path:
