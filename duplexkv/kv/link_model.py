@@ -78,21 +78,21 @@ class LinkModel:
             with self._lock:
                 self._peer(peer).rtts_ms.append(ms)
 
-    def observe_read(self, peer: str, nbytes: int, ms: float) -> None:
+    def observe_read(self, peer: str, nbytes: int, ms: float, replace: bool = False) -> None:
+        """A READ of `nbytes` took `ms`; `replace` drops the peer's earlier samples first."""
         if nbytes > 0 and ms > 0:
             with self._lock:
-                self._peer(peer).reads.append((self.clock(), nbytes / ms))
+                reads = self._peer(peer).reads
+                if replace:
+                    reads.clear()
+                reads.append((self.clock(), nbytes / ms))
 
     def observe_timed_out_read(self, peer: str, nbytes: int, ms: float) -> None:
         """A READ of `nbytes` had not landed after `ms`: the link is slower than nbytes / ms, so
         that is a sample (an optimistic one), and it replaces the peer's others: a faster one
         from before says nothing about the link now. Without it a probe at the grown stale
         estimate that ran into the read timeout taught nothing, and later turns pulled again."""
-        if nbytes > 0 and ms > 0:
-            with self._lock:
-                reads = self._peer(peer).reads
-                reads.clear()
-                reads.append((self.clock(), nbytes / ms))
+        self.observe_read(peer, nbytes, ms, replace=True)
 
     def estimate(self, peer: str) -> LinkEstimate:
         with self._lock:
