@@ -67,6 +67,20 @@ def test_decode_attention_reads_token_major_gathers():
     torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-6)
 
 
+def test_decode_attention_refuses_what_does_not_fit():
+    # the kernel reads raw pointers: a misfit must be an error, never a read past the tensors
+    q, kv = torch.randn(2, 8, 64), torch.randn(2, 100, 64)
+    bad = [([kv], [kv]),  # one K/V pair for two queries
+           ([kv, kv], [kv, kv[:, :50]]),  # K and V of different lengths
+           ([kv, torch.randn(4, 100, 64)], [kv, torch.randn(4, 100, 64)]),  # other KV heads
+           ([kv, torch.randn(2, 64, 100).transpose(1, 2)],  # last axis not contiguous
+            [kv, torch.randn(2, 64, 100).transpose(1, 2)]),
+           ([kv, kv.double()], [kv, kv.double()])]
+    for keys, values in bad:
+        with pytest.raises(ValueError, match="native decode attention"):
+            native.decode_attention(q, keys, values, 0.125)
+
+
 def test_loading_the_kernels_keeps_denormals():
     # -ffast-math at link time would switch the whole process to flush-to-zero
     assert native.available()

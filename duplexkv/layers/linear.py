@@ -7,17 +7,18 @@ PyTorch's CPU wheel takes a path that on some CPUs is far slower than the same p
 the other way round, `(W @ x.T).T`, whose short side is N. On an AMD EPYC (Zen 3, AVX2, float32,
 2 threads, the bench model's 8 layers + LM head, weights out of cache, one process), one decode
 step's matmuls took 34.9 ms with F.linear and 21.6 ms this way at 1 row, 62.6 and 31.7 ms at 8
-rows; in the engine under the workers' OMP_WAIT_POLICY=PASSIVE, 32.3 -> 29.2 ms per step at 4k
-context (batch 1) and 91.2 -> 85.5 ms (batch 8) (`duplexkv bench engine_ab`); a worker's time per
-output token at 4k context went from 42.6 to 34.8 ms (batch 1) and from 131 to 103 ms (batch 8)
-(`duplexkv bench vs_vllm --servers duplexkv`, with `DUPLEXKV_SMALL_GEMM=0` for the old path).
+rows; a worker's time per output token at 4k context went from 42.6 to 34.8 ms (batch 1) and
+from 131 to 103 ms (batch 8) (`duplexkv bench vs_vllm --servers duplexkv`, with
+`DUPLEXKV_SMALL_GEMM=0` for the old path).
 The product is the same sum of the same terms; the BLAS may add them in another order, so results
 can differ from `F.linear` in the last bits, as they already do between two BLAS kernels (a
 prefill and a decode step of the same tokens never ran the same kernel).
 
-Rows up to `SMALL_ROWS` take that path (one row is padded to two: a one-column GEMM is routed to
-the slow GEMV path again); more rows (prefill chunks) keep `F.linear`, where the large GEMM is
-fast either way and its output needs no transpose. `DUPLEXKV_SMALL_GEMM=0` turns the path off
+Float32 products of up to `NATIVE_ROWS` rows go to `native.linear` instead (each weight row read
+once, no packing; faster still), where its kernels are built. Rows up to `SMALL_ROWS` take the
+`(W @ x.T).T` path (one row is padded to two: a one-column GEMM is routed to the slow GEMV path
+again); more rows (prefill chunks) keep `F.linear`, where the large GEMM is
+fast either way and its output needs no transpose. `DUPLEXKV_SMALL_GEMM=0` turns both paths off
 (A/B measurements, or a BLAS where it does not pay).
 """
 

@@ -8,14 +8,15 @@ NumPy's OpenBLAS, oneDNN's linear nor an inductor-compiled attention did better 
 same way). The kernels read each weight row and each cached K/V row once.
 
 The source is compiled with the system's C compiler (`cc`, `-O3 -march=native -fopenmp`) into
-${DUPLEXKV_CACHE_DIR:-~/.cache/duplexkv}/kernels/, named by a digest of the source, flags and
+the cache directory's kernels/ (`duplexkv.paths`), named by a digest of the source, flags and
 CPU, so a machine builds it once (~1 s) and another CPU never loads it. `-ffast-math` (vectorised
 `expf`, reassociated sums) applies at compile time only: linking a shared object with it would
 set flush-to-zero for the whole process. Without a compiler, or with `DUPLEXKV_NATIVE=0`, the
 engine keeps its PyTorch paths (`available()` is False; the reason is logged once).
 
-Each call runs its own OpenMP team (libgomp, `OMP_WAIT_POLICY` as for torch's) with
-`torch.get_num_threads()` threads, from the engine thread while torch's team is idle.
+The shared object links libgomp by its soname, which the loader resolves to the copy torch already
+loaded: the kernels run in the calling thread's OpenMP team, torch's own (`OMP_WAIT_POLICY` as
+for torch), with `torch.get_num_threads()` threads.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from duplexkv.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
@@ -44,11 +47,6 @@ ENABLED = os.environ.get("DUPLEXKV_NATIVE", "1") != "0"
 _i64, _f32p = ctypes.c_int64, ctypes.c_void_p
 _lib: ctypes.CDLL | None = None
 _tried = False
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("DUPLEXKV_CACHE_DIR") or Path.home() / ".cache" / "duplexkv"
-    return Path(root) / "kernels"
 
 
 def _cpu_digest() -> str:
@@ -78,7 +76,7 @@ def _build(target: Path) -> None:
 def _load() -> ctypes.CDLL | None:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(
         COMPILE_FLAGS + LINK_FLAGS).encode() + _cpu_digest().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"duplexkv-kernels-{key}.so"
+    target = cache_dir() / "kernels" / f"duplexkv-kernels-{key}.so"
     if not target.exists():
         _build(target)
     lib = ctypes.CDLL(str(target))
@@ -138,14 +136,21 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
     num_kv = keys[0].shape[0]
     q = q.contiguous()
     out = torch.empty_like(q)
+    if q.dtype != torch.float32 or len(keys) != b or len(values) != b:
+        raise ValueError(f"native decode attention: q {q.dtype} {(b, h, d)} with {len(keys)} "
+                         f"key and {len(values)} value tensors")
+    for k, v in zip(keys, values):  # the kernel reads both through k's shape and strides
+        if (k.dtype != torch.float32 or v.dtype != torch.float32 or k.shape != v.shape
+                or k.stride() != v.stride() or k.shape[0] != num_kv or k.shape[2] != d
+                or k.stride(2) != 1 or k.shape[1] < 1 or h % num_kv):
+            raise ValueError(f"native decode attention: K/V {tuple(k.shape)}/{tuple(v.shape)} "
+                             f"(strides {k.stride()}/{v.stride()}) do not fit q {(b, h, d)}")
     arr = _i64 * b
     kb = arr(*(k.data_ptr() for k in keys))
     vb = arr(*(v.data_ptr() for v in values))
     hs = arr(*(k.stride(0) for k in keys))
     rs = arr(*(k.stride(1) for k in keys))
     lens = arr(*(k.shape[1] for k in keys))
-    for k, v in zip(keys, values):
-        assert k.stride() == v.stride() and k.shape == v.shape and k.stride(2) == 1
     rc = _lib.dkv_decode_attn(q.data_ptr(), out.data_ptr(), ctypes.addressof(kb),
                               ctypes.addressof(vb), ctypes.addressof(hs), ctypes.addressof(rs),
                               ctypes.addressof(lens), b, num_kv, h // num_kv, d, scale,
