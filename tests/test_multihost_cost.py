@@ -65,6 +65,16 @@ def second_turn(client, d: str, p_first: str, p: str, oracle, seed: int) -> dict
     return pj2["kv_stats"]
 
 
+def pull_pays(client, p: str, gain: int, nbytes: float, margin: float) -> bool:
+    """P's predicted READ of `nbytes` from its one peer costs less than 1/margin of its
+    predicted recompute of `gain` tokens (no local prefix: prefix caching is off on P)."""
+    kv = client.get(p + "/health").json()["kv_transfer"]
+    est = next(iter(kv["links"]["peers"].values()))
+    c = kv["cost_model"]["coefficients"]
+    recompute = c["step_ms"] + c["token_ms"] * gain + c["attention_ms"] * gain * gain / 2
+    return margin * (est["rtt_ms"] + nbytes * 8 / (est["gbps"] * 1e6)) < recompute
+
+
 def link(client, p: str) -> dict:
     peers = client.get(p + "/health").json()["kv_transfer"]["links"]["peers"]
     assert len(peers) == 1, peers
@@ -102,7 +112,11 @@ def test_measured_slow_link_declines_the_pull_the_fixed_rule_takes(slow_link, or
     pays = gbps * dec["predicted_transfer_ms"] / dec["predicted_recompute_ms"]
     wait_for(lambda: not link(client, pm)["measured"], MAX_AGE_S + 10, "slow samples aged out")
     assert link(client, pm)["gbps"] < 0.5 * pays  # not back on the 10 Gbit/s prior at once
-    wait_for(lambda: link(client, pm)["gbps"] > 1.5 * pays, 8 * MAX_AGE_S + 10, "estimate grown")
+    # grown until the READ costs at most 2/3 of the recompute as P would predict both now: its
+    # prefill cost model has learned from the recomputes since `dec`, and the round trip counts
+    nbytes = (dec["predicted_transfer_ms"] - dec["link_rtt_ms"]) * dec["link_gbps"] * 1e6 / 8
+    wait_for(lambda: pull_pays(client, pm, dec["gain_tokens"], nbytes, 1.5),
+             8 * MAX_AGE_S + 10, "estimate grown")
     probe = second_turn(client, d, pf, pm, oracle, 3)
     assert probe["pull_outcome"] == "pulled" and probe["pull_decision"]["link_measured"] is False
     again = second_turn(client, d, pf, pm, oracle, 4)

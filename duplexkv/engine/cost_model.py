@@ -107,6 +107,9 @@ class PrefillCostModel:
         return None if coef is None else coef.predict(new_tokens, context_tokens)
 
     def as_dict(self) -> dict:
+        """The coefficients the next prediction uses (refitted first if samples came since)."""
+        if self._since_fit:
+            self.fit()
         coef = self._coef
         return {"samples": len(self._samples), "observed_prefills": self.observed,
                 "calibration_ms": round(self.calibration_ms, 1),
