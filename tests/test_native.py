@@ -81,6 +81,60 @@ def test_decode_attention_refuses_what_does_not_fit():
             native.decode_attention(q, keys, values, 0.125)
 
 
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_add_rmsnorm_matches_torch_and_leaves_the_sum_in_the_residual(m):
+    g = torch.Generator().manual_seed(m)
+    x, res, w = torch.randn(m, 512, generator=g), torch.randn(m, 512, generator=g), \
+        torch.randn(512, generator=g)
+    assert native.rows_ok(x)
+    torch.testing.assert_close(native.add_rmsnorm(x, None, w, 1e-6),
+                               F.rms_norm(x, (512,), w, 1e-6), rtol=1e-5, atol=1e-5)
+    want_sum = x + res
+    out = native.add_rmsnorm(x, res, w, 1e-6)
+    assert torch.equal(res, want_sum)  # the residual stream, updated in place
+    torch.testing.assert_close(out, F.rms_norm(want_sum, (512,), w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("m,heads,kv_heads,d", [(1, 8, 2, 64), (5, 2, 1, 32), (16, 4, 4, 128)])
+def test_qk_norm_rope_matches_the_models_torch_path(norm, m, heads, kv_heads, d):
+    from duplexkv.model.qwen3 import Rotary, apply_rope
+
+    g = torch.Generator().manual_seed(m * 10 + d)
+    qkv = torch.randn(m, (heads + 2 * kv_heads) * d, generator=g)
+    w = torch.randn(heads + kv_heads, d, generator=g) if norm else None
+    cos, sin = Rotary(d, 1e6, 4096)(torch.randint(0, 4000, (m,), generator=g), torch.float32)
+    q, k = native.qk_norm_rope(qkv, w, cos, sin, heads, kv_heads, d, 1e-6)
+    qk = qkv[:, : (heads + kv_heads) * d].view(m, heads + kv_heads, d)
+    if norm:
+        qk = F.rms_norm(qk, (d,), None, 1e-6) * w
+    want = apply_rope(qk, cos, sin)
+    torch.testing.assert_close(q, want[:, :heads], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, want[:, heads:], rtol=1e-5, atol=1e-5)
+
+
+def test_silu_mul_matches_torch():
+    gu = torch.randn(7, 2 * 192) * 4
+    gate, up = gu.split(192, dim=-1)
+    torch.testing.assert_close(native.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_elementwise_kernels_refuse_what_does_not_fit():
+    assert not native.rows_ok(torch.randn(17, 64))  # more rows than a decode step's
+    assert not native.rows_ok(torch.randn(2, 40))  # not a multiple of 16
+    assert not native.rows_ok(torch.randn(2, 64).bfloat16())
+    assert not native.rows_ok(torch.randn(64, 2).t())
+    with pytest.raises(ValueError):
+        native.add_rmsnorm(torch.randn(2, 64), torch.randn(3, 64), torch.ones(64), 1e-6)
+    with pytest.raises(ValueError):
+        native.add_rmsnorm(torch.randn(2, 64), None, torch.ones(32), 1e-6)
+    cos = sin = torch.zeros(2, 16)
+    with pytest.raises(ValueError):  # qkv is not (2 + 2 * 1) heads of 32
+        native.qk_norm_rope(torch.randn(2, 96), None, cos, sin, 2, 1, 32, 1e-6)
+    with pytest.raises(ValueError):  # tables of the wrong width
+        native.qk_norm_rope(torch.randn(2, 128), None, cos[:, :8], sin, 2, 1, 32, 1e-6)
+
+
 def test_loading_the_kernels_keeps_denormals():
     # -ffast-math at link time would switch the whole process to flush-to-zero
     assert native.available()

@@ -18,12 +18,14 @@ class ModelRunner:
         self.cfg = cfg
         self.dtype = DTYPE[dtype]
         self.block_size = block_size
-        with torch.device("meta"):
-            model = CausalLM(cfg)
-        model = model.to_empty(device="cpu").to(self.dtype)
+        # its Linear and Embedding layers skip the random initialisation (the weights are
+        # loaded next), so the model is built in place; the meta device was avoided on purpose:
+        # to_empty and arithmetic on meta tensors import torch._dynamo and torch.fx (~4 s of a
+        # worker's start-up)
+        model = CausalLM(cfg).to(self.dtype)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        # built on the meta device and cast: recompute the float32 table
+        # cast with the model: recompute the float32 table
         model.rotary.inv_freq = Rotary.frequencies(cfg.head_dim, cfg.rope_theta)
         model.load_hf_weights(weights)
         self.model = model.eval()

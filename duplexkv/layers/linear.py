@@ -52,7 +52,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and state-dict names) computed by `linear` above."""
+    """`nn.Linear` (same parameters and state-dict names) computed by `linear` above, without
+    the random initialisation: its weights always come from a checkpoint."""
+
+    def reset_parameters(self) -> None:
+        pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

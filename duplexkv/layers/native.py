@@ -42,6 +42,8 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-s
 LINK_FLAGS = ["-shared", "-fopenmp"]
 ABI = 1  # dkv_abi() of the source this module binds
 MAX_GROUP = 16  # native_kernels.c MAX_G
+MAX_HEAD_DIM = 512  # native_kernels.c MAX_D
+MAX_ROWS = 16  # the element-wise kernels below run single-threaded: for a decode step's rows
 ENABLED = os.environ.get("DUPLEXKV_NATIVE", "1") != "0"
 
 _i64, _f32p = ctypes.c_int64, ctypes.c_void_p
@@ -87,6 +89,13 @@ def _load() -> ctypes.CDLL | None:
     lib.dkv_decode_attn.argtypes = [_f32p, _f32p, _f32p, _f32p, _f32p, _f32p, _f32p, _i64, _i64,
                                     _i64, _i64, ctypes.c_float, ctypes.c_int]
     lib.dkv_decode_attn.restype = ctypes.c_int
+    lib.dkv_add_rmsnorm.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64, _i64, ctypes.c_float]
+    lib.dkv_add_rmsnorm.restype = None
+    lib.dkv_qk_norm_rope.argtypes = [_f32p, _i64, _f32p, _f32p, _f32p, _f32p, _f32p, _i64, _i64,
+                                     _i64, _i64, ctypes.c_float]
+    lib.dkv_qk_norm_rope.restype = None
+    lib.dkv_silu_mul.argtypes = [_f32p, _f32p, _i64, _i64]
+    lib.dkv_silu_mul.restype = None
     return lib
 
 
@@ -164,3 +173,57 @@ def attention_ok(q: torch.Tensor, num_kv: int) -> bool:
     """Whether `decode_attention` takes queries like q [T, H, D] over num_kv KV heads."""
     return (q.dtype == torch.float32 and q.shape[-1] % 8 == 0
             and q.shape[1] // num_kv <= MAX_GROUP and available())
+
+
+def rows_ok(x: torch.Tensor) -> bool:
+    """Whether the element-wise kernels below take x [M, N]: float32, contiguous, a decode
+    step's few rows (M <= MAX_ROWS), N % 16 == 0."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] % 16 == 0 and _fits(x)
+            and available())
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """RMSNorm of x [M, N] with `weight` [N]; with `residual` (same shape), x + residual is
+    normalised and also left in `residual` (in place: the residual stream). `rows_ok(x)` first."""
+    if (residual is not None and (residual.shape != x.shape or not _fits(residual))) \
+            or weight.shape != (x.shape[1],) or not _fits(weight):
+        raise ValueError(f"native rmsnorm: x {tuple(x.shape)}, residual "
+                         f"{None if residual is None else tuple(residual.shape)}, weight "
+                         f"{tuple(weight.shape)}")
+    out = torch.empty_like(x)
+    src, add = (x, None) if residual is None else (residual, x)
+    _lib.dkv_add_rmsnorm(src.data_ptr(), None if add is None else add.data_ptr(),
+                         weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def qk_norm_rope(qkv: torch.Tensor, norm_weight: torch.Tensor | None, cos: torch.Tensor,
+                 sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [M, (heads + 2 kv_heads) * head_dim] -> q [M, heads, D], k [M, kv_heads, D]: each
+    query and key head RMS-normalised (per-head weights [heads + kv_heads, D], or None for
+    none), then rotated by RoPE with half-width tables cos/sin [M, D / 2]. `rows_ok(qkv)` first."""
+    m, d, half = qkv.shape[0], head_dim, head_dim // 2
+    cos, sin = cos.reshape(m, -1), sin.reshape(m, -1)
+    if (qkv.shape[1] != (heads + 2 * kv_heads) * d or d % 16 or d > MAX_HEAD_DIM
+            or cos.shape != (m, half) or sin.shape != (m, half) or not _fits(cos)
+            or not _fits(sin) or (norm_weight is not None and (
+                norm_weight.shape != (heads + kv_heads, d) or not _fits(norm_weight)))):
+        raise ValueError(f"native qk norm/rope: qkv {tuple(qkv.shape)}, heads {heads}/{kv_heads}"
+                         f" x {d}, cos {tuple(cos.shape)}")
+    q = torch.empty(m, heads, d, dtype=torch.float32)
+    k = torch.empty(m, kv_heads, d, dtype=torch.float32)
+    _lib.dkv_qk_norm_rope(qkv.data_ptr(), qkv.shape[1],
+                          None if norm_weight is None else norm_weight.data_ptr(),
+                          cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), m, heads,
+                          kv_heads, d, eps)
+    return q, k
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [M, 2 I] (gate | up) -> silu(gate) * up [M, I]. `rows_ok(gate_up)` first."""
+    m, n = gate_up.shape
+    out = torch.empty(m, n // 2, dtype=torch.float32)
+    _lib.dkv_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, n // 2)
+    return out

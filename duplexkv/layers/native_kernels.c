@@ -90,6 +90,7 @@ void dkv_linear(const float *x, const float *w, float *y, int64_t M, int64_t N, 
 }
 
 #define MAX_G 16
+#define MAX_D 512
 #define CHUNK 256
 
 #define PREFETCH 32 /* keys ahead */
@@ -214,4 +215,71 @@ int dkv_decode_attn(const float *q, float *out, const int64_t *k_base, const int
     free(parts);
     free(first);
     return 0;
+}
+
+/* The element-wise work of a decode step's layer, for its few rows (single-threaded: a few
+ * thousand floats, where a parallel region would cost more than the work). */
+
+static inline float row_rms_scale(const float *x, int64_t n, float eps) {
+    v8 acc = {0};
+    for (int64_t i = 0; i < n; i += 8) {
+        const v8 a = load8(x + i);
+        acc += a * a;
+    }
+    return 1.0f / sqrtf(hsum8(acc) / (float)n + eps);
+}
+
+/* x [M, N], res [M, N] or NULL, w [N]: with res, x += res first (the new
+ * residual stream, written back to x); then out = x * rsqrt(mean(x^2) + eps) * w. */
+void dkv_add_rmsnorm(float *x, const float *res, const float *w, float *out, int64_t M,
+                     int64_t N, float eps) {
+    for (int64_t m = 0; m < M; m++) {
+        float *xm = x + m * N;
+        if (res)
+            for (int64_t i = 0; i < N; i += 8) *(v8 *)(xm + i) = load8(xm + i) + load8(res + m * N + i);
+        const v8 r = (v8){0} + row_rms_scale(xm, N, eps);
+        for (int64_t i = 0; i < N; i += 8)
+            *(v8 *)(out + m * N + i) = load8(xm + i) * r * load8(w + i);
+    }
+}
+
+/* Rows of qkv [M, (H + 2 * KVH) * D] (rows ld floats apart): the H query heads and the first KVH
+ * key heads are RMS-normalised over D (eps) with per-head weights wqk [H + KVH, D] (NULL: no
+ * norm), then rotated by RoPE with the row's half-width tables cos/sin [M, D / 2]
+ * (x1 * c - x2 * s | x2 * c + x1 * s), into q [M, H, D] and k [M, KVH, D]. D % 16 == 0,
+ * D <= MAX_D. */
+void dkv_qk_norm_rope(const float *qkv, int64_t ld, const float *wqk, const float *cos,
+                      const float *sin, float *q, float *k, int64_t M, int64_t H, int64_t KVH,
+                      int64_t D, float eps) {
+    const int64_t half = D / 2;
+    float t[MAX_D] __attribute__((aligned(32)));
+    for (int64_t m = 0; m < M; m++) {
+        const float *c = cos + m * half, *s = sin + m * half;
+        for (int64_t h = 0; h < H + KVH; h++) {
+            const float *x = qkv + m * ld + h * D;
+            float *o = h < H ? q + (m * H + h) * D : k + (m * KVH + h - H) * D;
+            if (wqk) {
+                const v8 r = (v8){0} + row_rms_scale(x, D, eps);
+                for (int64_t i = 0; i < D; i += 8)
+                    *(v8 *)(t + i) = load8(x + i) * r * load8(wqk + h * D + i);
+                x = t;
+            }
+            for (int64_t i = 0; i < half; i += 8) {
+                const v8 x1 = load8(x + i), x2 = load8(x + half + i);
+                const v8 cv = load8(c + i), sv = load8(s + i);
+                *(v8 *)(o + i) = x1 * cv - x2 * sv;
+                *(v8 *)(o + half + i) = x2 * cv + x1 * sv;
+            }
+        }
+    }
+}
+
+/* gu [M, 2 * I] (gate | up) -> out [M, I] = silu(gate) * up */
+void dkv_silu_mul(const float *gu, float *out, int64_t M, int64_t I) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * 2 * I, *u = g + I;
+        float *o = out + m * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
 }

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from duplexkv.layers import native
 from duplexkv.layers.attention import paged_attention
 from duplexkv.layers.linear import Linear
 from duplexkv.model.config import ModelConfig
@@ -22,9 +23,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x); with `residual`, (RMSNorm(x + residual), x + residual) (the residual
+        stream; a decode step's few float32 rows do both in one native call, in place)."""
+        if native.rows_ok(x):
+            out = native.add_rmsnorm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            x = x + residual
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps), x
         # fused kernel; bit-identical to HF's formula in float32
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` without its random initialisation: the weights always come from the
+    checkpoint (`normal_` over a 32k vocabulary would be start-up time for nothing)."""
+
+    def reset_parameters(self) -> None:
+        pass
 
 
 class Rotary(nn.Module):
@@ -75,6 +92,13 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, pool):
         n_qk = self.num_heads + self.num_kv
         qkv = self.qkv_proj(x)
+        if native.rows_ok(qkv):  # a decode step: norm and RoPE of q and k in one call
+            q, k = native.qk_norm_rope(qkv, self.qk_norm_weight if self.qk_norm else None, cos,
+                                       sin, self.num_heads, self.num_kv, self.head_dim,
+                                       self.q_norm.eps if self.qk_norm else 0.0)
+            v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv, self.head_dim)
+            o = paged_attention(q, k, v, pool, self.layer, self.scale)
+            return self.o_proj(o.reshape(-1, self.q_size))
         # q and k heads side by side: one norm and one RoPE for both
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, n_qk, self.head_dim)
         if self.qk_norm:
@@ -101,7 +125,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if native.rows_ok(gate_up):
+            return self.down_proj(native.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -113,16 +140,23 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, pool):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pool)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, pool):
+        """x: the previous layer's output (the embeddings for the first), residual: the stream
+        before it (None for the first) -> this layer's (output, residual), the adds fused into
+        the norms."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, pool), residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
@@ -135,9 +169,10 @@ class CausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, pool)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, pool)
+        return self.norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
