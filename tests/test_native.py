@@ -135,6 +135,47 @@ def test_elementwise_kernels_refuse_what_does_not_fit():
         native.qk_norm_rope(torch.randn(2, 128), None, cos[:, :8], sin, 2, 1, 32, 1e-6)
 
 
+def test_kernels_called_from_many_threads_at_once_are_right():
+    """The kernels' thread pool runs one job at a time; callers that find it busy run alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert native.available()
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(1000, 256, generator=g), torch.randn(4, 256, generator=g)
+    want = F.linear(x, w)
+
+    def work(_):
+        return all(torch.allclose(native.linear(x, w), want, rtol=1e-5, atol=1e-5)
+                   for _ in range(200))
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(4)))
+
+
+def test_a_forked_child_runs_the_kernels():
+    """A child forked after the pool started has none of its helper threads: its jobs must not
+    wait for them (they would spin forever)."""
+    import time
+
+    assert native.available()
+    x, w = torch.randn(2, 64), torch.randn(4096, 64)
+    want = F.linear(x, w)
+    native.linear(x, w)  # the parent's helpers are up
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        ok = torch.allclose(native.linear(x, w), want, rtol=1e-5, atol=1e-5)
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's kernel call did not return")
+
+
 def test_loading_the_kernels_keeps_denormals():
     # -ffast-math at link time would switch the whole process to flush-to-zero
     assert native.available()

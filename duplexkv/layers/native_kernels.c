@@ -1,21 +1,27 @@
 /* Decode-step kernels for float32 on the CPU, built on the machine that runs them (native.py).
+ * Longer than 300 lines: one translation unit keeps the build a single compiler call.
  *
  * dkv_linear: y[M, N] = x[M, K] . w[N, K]^T for few rows M. A GEMM library packs w (the large
  * operand) before multiplying, which for a few rows costs more than the product; here each
  * weight row is read from memory once and kept in L1 while every row of x meets it.
  *
  * dkv_decode_attn: one query token per sequence (grouped-query heads: G query heads share a
- * KV head) over that sequence's cached keys and values, every sequence of a step in one
- * parallel region. The keys are split in chunks (flash-decoding): each (sequence, KV head,
- * chunk) computes its softmax partials, then a second pass merges a head's chunks by their
- * maxima. A key or value row j of KV head h sits at base + h * head_stride + j * row_stride
- * floats, so a contiguous mirror [KVH, cap, D] and a gathered [L, KVH, D] both fit.
+ * KV head) over that sequence's cached keys and values, every sequence of a step in one call.
+ * The keys are split in chunks (flash-decoding): each (sequence, KV head, chunk) computes its
+ * softmax partials, then a second pass merges a head's chunks by their maxima. A key or value
+ * row j of KV head h sits at base + h * head_stride + j * row_stride floats, so a contiguous
+ * mirror [KVH, cap, D] and a gathered [L, KVH, D] both fit.
+ *
+ * Both run their work on the thread pool of native_pool.h; the element-wise kernels at the end
+ * (RMSNorm, RoPE, SiLU for a decode step's few rows) run on the calling thread.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "native_pool.h"
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
@@ -49,11 +55,19 @@ static inline void store_row(float *y, int64_t rows, v8 a0, v8 a1, v8 a2, v8 a3)
 
 int dkv_abi(void) { return 1; }
 
-void dkv_linear(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
-                int nthreads) {
-    const int64_t nblocks = (N + 3) / 4;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < nblocks; b++) {
+struct linear_job {
+    const float *x, *w;
+    float *y;
+    int64_t M, N, K;
+};
+
+/* weight rows [4 * b0, 4 * b1) against every row of x */
+static void linear_blocks(void *ctx, int64_t b0, int64_t b1) {
+    const struct linear_job *j = ctx;
+    const float *x = j->x, *w = j->w;
+    float *y = j->y;
+    const int64_t M = j->M, N = j->N, K = j->K;
+    for (int64_t b = b0; b < b1; b++) {
         const int64_t n0 = b * 4;
         const int64_t rows = N - n0 < 4 ? N - n0 : 4;
         const float *w0 = w + n0 * K;
@@ -63,16 +77,16 @@ void dkv_linear(const float *x, const float *w, float *y, int64_t M, int64_t N, 
         int64_t m = 0;
         for (; m + 2 <= M; m += 2) { /* two rows of x meet the four weight rows */
             const float *xa = x + m * K, *xb = xa + K;
-            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
             for (int64_t k = 0; k < K; k += 8) {
                 const v8 xv = load8(xa + k), yv = load8(xb + k);
                 const v8 u0 = load8(w0 + k), u1 = load8(w1 + k), u2 = load8(w2 + k),
                          u3 = load8(w3 + k);
                 a0 += u0 * xv, a1 += u1 * xv, a2 += u2 * xv, a3 += u3 * xv;
-                b0 += u0 * yv, b1 += u1 * yv, b2 += u2 * yv, b3 += u3 * yv;
+                c0 += u0 * yv, c1 += u1 * yv, c2 += u2 * yv, c3 += u3 * yv;
             }
             store_row(y + m * N + n0, rows, a0, a1, a2, a3);
-            store_row(y + (m + 1) * N + n0, rows, b0, b1, b2, b3);
+            store_row(y + (m + 1) * N + n0, rows, c0, c1, c2, c3);
         }
         for (; m < M; m++) {
             const float *xm = x + m * K;
@@ -87,6 +101,14 @@ void dkv_linear(const float *x, const float *w, float *y, int64_t M, int64_t N, 
             store_row(y + m * N + n0, rows, a0, a1, a2, a3);
         }
     }
+}
+
+void dkv_linear(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
+                int nthreads) {
+    struct linear_job job = {x, w, y, M, N, K};
+    const int64_t nblocks = (N + 3) / 4;
+    pool_run(linear_blocks, &job, nblocks, nblocks / (8 * (nthreads > 0 ? nthreads : 1)),
+             nthreads);
 }
 
 #define MAX_G 16
@@ -155,6 +177,60 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
     }
 }
 
+struct attn_job {
+    const float *q;
+    float *out;
+    const int64_t *k_base, *v_base, *head_stride, *row_stride, *length, *first;
+    float *parts;
+    int64_t KVH, G, D;
+    float scale;
+};
+
+/* units [u0, u1): (sequence, KV head, chunk of keys) -> softmax partials */
+static void attn_units(void *ctx, int64_t u0, int64_t u1) {
+    const struct attn_job *j = ctx;
+    const int64_t KVH = j->KVH, G = j->G, D = j->D, part_len = G * (D + 2);
+    int64_t b = 0;
+    for (int64_t u = u0; u < u1; u++) {
+        while (j->first[b + 1] <= u) b++;
+        const int64_t chunks = (j->length[b] + CHUNK - 1) / CHUNK;
+        const int64_t h = (u - j->first[b]) / chunks, c = (u - j->first[b]) % chunks;
+        const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < j->length[b] ? j0 + CHUNK : j->length[b];
+        const float *kh = (const float *)(intptr_t)j->k_base[b] + h * j->head_stride[b];
+        const float *vh = (const float *)(intptr_t)j->v_base[b] + h * j->head_stride[b];
+        attn_chunk(j->q + (b * KVH + h) * G * D, kh, vh, j->row_stride[b], j0, j1, G, D,
+                   j->scale, j->parts + u * part_len);
+    }
+}
+
+/* (sequence, KV head) pairs [p0, p1): their chunks' partials merged by their maxima */
+static void attn_merge(void *ctx, int64_t p0, int64_t p1) {
+    const struct attn_job *j = ctx;
+    const int64_t KVH = j->KVH, G = j->G, D = j->D, part_len = G * (D + 2);
+    for (int64_t bh = p0; bh < p1; bh++) {
+        const int64_t b = bh / KVH, h = bh % KVH;
+        const int64_t chunks = (j->length[b] + CHUNK - 1) / CHUNK;
+        const float *p = j->parts + (j->first[b] + h * chunks) * part_len;
+        for (int64_t g = 0; g < G; g++) {
+            float mx = -FLT_MAX, sum = 0.0f;
+            for (int64_t c = 0; c < chunks; c++) {
+                const float m = p[c * part_len + g * (D + 2)];
+                mx = m > mx ? m : mx;
+            }
+            float *o = j->out + (bh * G + g) * D;
+            memset(o, 0, (size_t)D * sizeof(float));
+            for (int64_t c = 0; c < chunks; c++) {
+                const float *pg = p + c * part_len + g * (D + 2);
+                const float w = expf(pg[0] - mx);
+                sum += w * pg[1];
+                for (int64_t d = 0; d < D; d++) o[d] += w * pg[2 + d];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        }
+    }
+}
+
 /* q, out: [B, KVH * G, D] contiguous. Per sequence b: k_base[b], v_base[b] (addresses),
  * head_stride[b], row_stride[b] (floats), length[b] >= 1. Returns 0, or -1 if out of memory
  * or the shape is beyond the kernel's limits (G > MAX_G, D % 8 != 0). */
@@ -174,44 +250,10 @@ int dkv_decode_attn(const float *q, float *out, const int64_t *k_base, const int
         free(first);
         return -1;
     }
-#pragma omp parallel num_threads(nthreads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; u++) {
-            int64_t b = 0;
-            while (first[b + 1] <= u) b++;
-            const int64_t chunks = (length[b] + CHUNK - 1) / CHUNK;
-            const int64_t h = (u - first[b]) / chunks, c = (u - first[b]) % chunks;
-            const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < length[b] ? j0 + CHUNK : length[b];
-            const float *kh = (const float *)(intptr_t)k_base[b] + h * head_stride[b];
-            const float *vh = (const float *)(intptr_t)v_base[b] + h * head_stride[b];
-            attn_chunk(q + (b * KVH + h) * G * D, kh, vh, row_stride[b], j0, j1, G, D, scale,
-                       parts + u * part_len);
-        }
-#pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < B * KVH; bh++) {
-            const int64_t b = bh / KVH, h = bh % KVH;
-            const int64_t chunks = (length[b] + CHUNK - 1) / CHUNK;
-            const float *p0 = parts + (first[b] + h * chunks) * part_len;
-            for (int64_t g = 0; g < G; g++) {
-                float mx = -FLT_MAX, sum = 0.0f;
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float m = p0[c * part_len + g * (D + 2)];
-                    mx = m > mx ? m : mx;
-                }
-                float *o = out + (bh * G + g) * D;
-                memset(o, 0, (size_t)D * sizeof(float));
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float *pg = p0 + c * part_len + g * (D + 2);
-                    const float w = expf(pg[0] - mx);
-                    sum += w * pg[1];
-                    for (int64_t d = 0; d < D; d++) o[d] += w * pg[2 + d];
-                }
-                const float inv = 1.0f / sum;
-                for (int64_t d = 0; d < D; d++) o[d] *= inv;
-            }
-        }
-    }
+    struct attn_job job = {q, out, k_base, v_base, head_stride, row_stride, length, first,
+                           parts, KVH, G, D, scale};
+    pool_run(attn_units, &job, units, 1, nthreads);
+    pool_run(attn_merge, &job, B * KVH, 1, nthreads);
     free(parts);
     free(first);
     return 0;
