@@ -1,6 +1,7 @@
-"""The few-row linear path (layers/linear.py) against F.linear: same values to float32 rounding,
-contiguous outputs that the layers can view, bias added, large products left to F.linear
-bit for bit, the switch that turns it off, and the model's projections built on it."""
+"""The linear layer's paths (layers/linear.py) against F.linear: few rows and float32 prefill
+chunks (oneDNN) give the same values to float32 rounding, contiguous outputs that the layers can
+view, bias added; bf16 chunks are F.linear bit for bit, the switches turn the paths off, and the
+model's projections are built on it."""
 
 import os
 import subprocess
@@ -34,19 +35,31 @@ def test_a_strided_input_row_is_taken_as_it_is():
     torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_many_rows_are_f_linear_bit_for_bit():
+@pytest.mark.parametrize("bias", [False, True])
+def test_many_float32_rows_go_to_onednn_close_to_f_linear(bias):
+    assert lin.ONEDNN_ROWS, "this torch has oneDNN's linear: a silent fallback would hide it"
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
     x = torch.randn(lin.SMALL_ROWS + 1, 64, generator=g)
+    got = lin.linear(x, w, b)
+    assert got.shape == (lin.SMALL_ROWS + 1, 96) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_many_bf16_rows_are_f_linear_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    x = torch.randn(lin.SMALL_ROWS + 1, 64, generator=g).bfloat16()
     assert torch.equal(lin.linear(x, w), F.linear(x, w))
 
 
-def test_the_switch_restores_f_linear():
+@pytest.mark.parametrize("var", ["DUPLEXKV_SMALL_GEMM", "DUPLEXKV_ONEDNN_LINEAR"])
+def test_the_switches_restore_f_linear_for_many_rows(var):
     code = ("import torch, torch.nn.functional as F; from duplexkv.layers import linear as l; "
-            "w = torch.randn(300, 40); x = torch.randn(3, 40); "
-            "assert not l.ENABLED and torch.equal(l.linear(x, w), F.linear(x, w))")
-    subprocess.run([sys.executable, "-c", code], check=True,
-                   env={**os.environ, "DUPLEXKV_SMALL_GEMM": "0"})
+            "w = torch.randn(96, 64); x = torch.randn(l.SMALL_ROWS + 1, 64); "
+            "assert torch.equal(l.linear(x, w), F.linear(x, w))")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, var: "0"})
 
 
 def test_model_layers_use_it():
