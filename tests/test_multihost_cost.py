@@ -12,7 +12,9 @@ import httpx
 import pytest
 from workers import wait_for
 
+from duplexkv.engine.cost_model import Coefficients
 from duplexkv.hosts.netns import Network, can_build
+from duplexkv.kv.link_model import LinkEstimate
 
 ok, why = can_build()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
@@ -70,9 +72,9 @@ def pull_pays(client, p: str, gain: int, nbytes: float, margin: float) -> bool:
     predicted recompute of `gain` tokens (no local prefix: prefix caching is off on P)."""
     kv = client.get(p + "/health").json()["kv_transfer"]
     est = next(iter(kv["links"]["peers"].values()))
-    c = kv["cost_model"]["coefficients"]
-    recompute = c["step_ms"] + c["token_ms"] * gain + c["attention_ms"] * gain * gain / 2
-    return margin * (est["rtt_ms"] + nbytes * 8 / (est["gbps"] * 1e6)) < recompute
+    link_est = LinkEstimate(est["rtt_ms"], est["gbps"], est["measured"])
+    recompute = Coefficients(**kv["cost_model"]["coefficients"]).predict(gain, 0)
+    return margin * link_est.transfer_ms(int(nbytes)) < recompute
 
 
 def link(client, p: str) -> dict:

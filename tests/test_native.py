@@ -128,6 +128,12 @@ def test_elementwise_kernels_refuse_what_does_not_fit():
         native.add_rmsnorm(torch.randn(2, 64), torch.randn(3, 64), torch.ones(64), 1e-6)
     with pytest.raises(ValueError):
         native.add_rmsnorm(torch.randn(2, 64), None, torch.ones(32), 1e-6)
+    with pytest.raises(ValueError):  # x itself not contiguous
+        native.add_rmsnorm(torch.randn(64, 2).t(), None, torch.ones(2), 1e-6)
+    with pytest.raises(ValueError):
+        native.silu_mul(torch.randn(64, 4).t())
+    with pytest.raises(ValueError):
+        native.silu_mul(torch.randn(2, 63))
     cos = sin = torch.zeros(2, 16)
     with pytest.raises(ValueError):  # qkv is not (2 + 2 * 1) heads of 32
         native.qk_norm_rope(torch.randn(2, 96), None, cos, sin, 2, 1, 32, 1e-6)

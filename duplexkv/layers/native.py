@@ -192,7 +192,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
                 eps: float) -> torch.Tensor:
     """RMSNorm of x [M, N] with `weight` [N]; with `residual` (same shape), x + residual is
     normalised and also left in `residual` (in place: the residual stream). `rows_ok(x)` first."""
-    if (residual is not None and (residual.shape != x.shape or not _fits(residual))) \
+    if not _fits(x) or x.dim() != 2 \
+            or (residual is not None and (residual.shape != x.shape or not _fits(residual))) \
             or weight.shape != (x.shape[1],) or not _fits(weight):
         raise ValueError(f"native rmsnorm: x {tuple(x.shape)}, residual "
                          f"{None if residual is None else tuple(residual.shape)}, weight "
@@ -212,7 +213,7 @@ def qk_norm_rope(qkv: torch.Tensor, norm_weight: torch.Tensor | None, cos: torch
     none), then rotated by RoPE with half-width tables cos/sin [M, D / 2]. `rows_ok(qkv)` first."""
     m, d, half = qkv.shape[0], head_dim, head_dim // 2
     cos, sin = cos.reshape(m, -1), sin.reshape(m, -1)
-    if (qkv.shape[1] != (heads + 2 * kv_heads) * d or d % 16 or d > MAX_HEAD_DIM
+    if (not _fits(qkv) or qkv.shape[1] != (heads + 2 * kv_heads) * d or d % 16 or d > MAX_HEAD_DIM
             or cos.shape != (m, half) or sin.shape != (m, half) or not _fits(cos)
             or not _fits(sin) or (norm_weight is not None and (
                 norm_weight.shape != (heads + kv_heads, d) or not _fits(norm_weight)))):
@@ -229,6 +230,8 @@ def qk_norm_rope(qkv: torch.Tensor, norm_weight: torch.Tensor | None, cos: torch
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [M, 2 I] (gate | up) -> silu(gate) * up [M, I]. `rows_ok(gate_up)` first."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not _fits(gate_up):
+        raise ValueError(f"native silu_mul: gate_up {gate_up.dtype} {tuple(gate_up.shape)}")
     m, n = gate_up.shape
     out = torch.empty(m, n // 2, dtype=torch.float32)
     _lib.dkv_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, n // 2)

@@ -16,6 +16,7 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -128,6 +129,11 @@ static void pool_run(pool_fn fn, void *ctx, int64_t count, int64_t grain, int nt
     if (atomic_load(&pool.sleepers) > 0)
         syscall(SYS_futex, &pool.gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     pool_work();
-    while (atomic_load(&pool.finished) < helpers) cpu_relax(); /* every helper saw the job */
+    /* every helper saw the job; past SPIN_US, yield the core to a helper that is not running */
+    const int64_t until = now_ns() + SPIN_US * 1000;
+    for (int i = 0; atomic_load(&pool.finished) < helpers; i++) {
+        cpu_relax();
+        if ((i & 63) == 63 && now_ns() > until) sched_yield();
+    }
     pthread_mutex_unlock(&pool.lock);
 }

@@ -90,24 +90,25 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x, cos, sin, pool):
-        n_qk = self.num_heads + self.num_kv
         qkv = self.qkv_proj(x)
-        if native.rows_ok(qkv):  # a decode step: norm and RoPE of q and k in one call
-            q, k = native.qk_norm_rope(qkv, self.qk_norm_weight if self.qk_norm else None, cos,
-                                       sin, self.num_heads, self.num_kv, self.head_dim,
-                                       self.q_norm.eps if self.qk_norm else 0.0)
-            v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv, self.head_dim)
-            o = paged_attention(q, k, v, pool, self.layer, self.scale)
-            return self.o_proj(o.reshape(-1, self.q_size))
-        # q and k heads side by side: one norm and one RoPE for both
-        qk = qkv[:, : self.q_size + self.kv_size].view(-1, n_qk, self.head_dim)
-        if self.qk_norm:
-            qk = F.rms_norm(qk, (self.head_dim,), None, self.q_norm.eps) * self.qk_norm_weight
-        qk = apply_rope(qk, cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv], dim=1)
+        q, k = self._norm_rope(qkv, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv, self.head_dim)
         o = paged_attention(q, k, v, pool, self.layer, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
+
+    def _norm_rope(self, qkv, cos, sin):
+        """q [T, H, D] and k [T, KVH, D] of qkv, each head normalised (qk_norm) and rotated."""
+        if native.rows_ok(qkv):  # a decode step: both in one call
+            return native.qk_norm_rope(qkv, self.qk_norm_weight if self.qk_norm else None, cos,
+                                       sin, self.num_heads, self.num_kv, self.head_dim,
+                                       self.q_norm.eps if self.qk_norm else 0.0)
+        # q and k heads side by side: one norm and one RoPE for both
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv,
+                                                       self.head_dim)
+        if self.qk_norm:
+            qk = F.rms_norm(qk, (self.head_dim,), None, self.q_norm.eps) * self.qk_norm_weight
+        qk = apply_rope(qk, cos, sin)
+        return qk.split([self.num_heads, self.num_kv], dim=1)
 
     def fuse_qk_norm(self) -> None:
         """Stack q_norm and k_norm weights per head (call after loading weights)."""
