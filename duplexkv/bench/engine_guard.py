@@ -28,6 +28,7 @@ import torch
 from duplexkv import LLM
 from duplexkv.bench.engine_vs_hf import ours_decode, ours_prefill
 from duplexkv.engine.dtype import cpu_bf16_status, read_cpu_flags
+from duplexkv.flags import Accumulate
 
 BASELINE = "docs/results/engine-guard-float32.json"
 # the flags that decide which kernels PyTorch runs on x86 (and so what a timing means)
@@ -118,9 +119,9 @@ def compare(rows: list[dict], meta: dict, baseline_path: str, tolerance: float) 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["tiny", "bench"])
+    ap.add_argument("--models", nargs="+", action=Accumulate, default=["tiny", "bench"])
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--prefill", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--prefill", type=int, nargs="+", action=Accumulate, default=[512, 2048])
     ap.add_argument("--decode-context", type=int, default=2048)
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)

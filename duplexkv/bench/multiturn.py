@@ -33,17 +33,10 @@ from duplexkv.bench import report
 from duplexkv.bench.client import Result, Runner, Target
 from duplexkv.bench.scripts import SCRIPTS
 from duplexkv.bench.targets import BenchError, check_target, client_key, dtype_note, phases
-from duplexkv.bench.workload import (
-    DEFAULT_SIZES,
-    Conversation,
-    Sizes,
-    TextSource,
-    load_file,
-    materialise,
-    plan,
-    total_tokens,
-)
+from duplexkv.bench.workload import (DEFAULT_SIZES, Conversation, Sizes, TextSource, load_file,
+                                     materialise, plan, total_tokens)
 from duplexkv.engine.dtype import DTYPE_CHOICES
+from duplexkv.flags import Accumulate
 from duplexkv.launch import LaunchError
 from duplexkv.model.registry import resolve_model
 from duplexkv.router.placement import DEFAULT_MODE, MODES
@@ -238,7 +231,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--clients", type=int, default=1, help="conversations at once")
     m.add_argument("--idle", type=float, default=0.0, metavar="S",
                    help="wait between the turns of a conversation")
-    m.add_argument("--modes", nargs="+", choices=report.MODES, default=list(report.MODES))
+    m.add_argument("--modes", nargs="+", action=Accumulate, choices=report.MODES, default=list(report.MODES))
     m.add_argument("--system-tokens", type=int)
     m.add_argument("--input-tokens", type=int, nargs=2, metavar=("MIN", "MAX"),
                    help="tokens each turn adds (tool result / user message)")

@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 from duplexkv.engine.dtype import describe as describe_dtype
+from duplexkv.flags import Accumulate
 
 JOB = r"""
 import sys, time, torch
@@ -49,7 +50,7 @@ def run(jobs: list[str], setting: str) -> list[float]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--settings", nargs="+", default=["", "OMP_WAIT_POLICY=PASSIVE"],
+    ap.add_argument("--settings", nargs="+", action=Accumulate, default=["", "OMP_WAIT_POLICY=PASSIVE"],
                     help="environment settings to compare ('' = libgomp's default)")
     args = ap.parse_args(argv)
     print(f"{os.cpu_count()} CPUs, {describe_dtype(None)}; jobs: 2 x 6k-token prefill | 150 "

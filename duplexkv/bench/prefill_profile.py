@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from duplexkv import LLM, SamplingParams
 from duplexkv.engine.dtype import describe
+from duplexkv.flags import Accumulate
 from duplexkv.layers import attention as attn_mod
 from duplexkv.model import qwen3
 
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate, default=[2048, 4096, 8192, 16384])
     ap.add_argument("--reps", type=int, default=2, help="the fastest of this many runs counts")
     ap.add_argument("--aten", action="store_true")
     args = ap.parse_args(argv)

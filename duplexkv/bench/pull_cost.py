@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 
 from duplexkv.engine.dtype import describe as describe_dtype
+from duplexkv.flags import Accumulate
 from duplexkv.launch import bidirectional_kv, spawn, wait_ready, worker_args
 
 MISS = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -161,7 +162,7 @@ def print_table(rows: list[dict]) -> None:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench")
-    ap.add_argument("--histories", type=int, nargs="+", default=None,
+    ap.add_argument("--histories", type=int, nargs="+", action=Accumulate, default=None,
                     help="default: 32 64 256 1024 4096 16384; --multihost: 1024 2048 4096 8192")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
@@ -175,7 +176,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--p-fixed-url")
     ap.add_argument("--multihost", action="store_true",
                     help="P, P and D on hosts of their own (root), links shaped to each --rate")
-    ap.add_argument("--rate", nargs="+", default=["100mbit", "1gbit", "10gbit"],
+    ap.add_argument("--rate", nargs="+", action=Accumulate, default=["100mbit", "1gbit", "10gbit"],
                     help="with --multihost: link rates (tc tbf), or unlimited")
     ap.add_argument("--json", help="write the rows here")
     return ap

@@ -39,6 +39,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from duplexkv.bench.retention_trace import BLOCK, Trace, Turn, blocks, make_trace
+from duplexkv.flags import Accumulate
 from duplexkv.kv.retention import RetentionTable
 
 __all__ = ["BLOCK", "Trace", "Turn", "blocks", "make_trace", "replay", "run", "main"]
@@ -181,11 +182,11 @@ def run(oversubscription: list[float], slots: int, minutes: float, seeds: list[i
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="duplexkv bench retention", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--oversubscription", type=float, nargs="+", default=[2.0, 3.0, 4.0],
+    ap.add_argument("--oversubscription", type=float, nargs="+", action=Accumulate, default=[2.0, 3.0, 4.0],
                     help="histories to keep / D's pool (sets the pool per trace)")
     ap.add_argument("--slots", type=int, default=32, help="conversations at once")
     ap.add_argument("--minutes", type=float, default=20.0)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--seeds", type=int, nargs="+", action=Accumulate, default=[0, 1, 2, 3, 4])
     ap.add_argument("--turns", type=float, default=8.0, help="mean turns per conversation")
     ap.add_argument("--pace-median", type=float, default=10.0,
                     help="median of the conversations' own paces (seconds between turns)")

@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from duplexkv.bench import retention as sim
+from duplexkv.flags import Accumulate
 from duplexkv.launch import (
     bidirectional_kv,
     spawn,
@@ -160,7 +161,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--pace-sigma", type=float, default=1.0)
     ap.add_argument("--max-history", type=int, default=1200)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policies", nargs="+", default=["oldest", "value"])
+    ap.add_argument("--policies", nargs="+", action=Accumulate, default=["oldest", "value"])
     args = ap.parse_args(argv)
     from duplexkv.model.registry import resolve_model
 

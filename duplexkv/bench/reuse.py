@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from duplexkv.engine.dtype import describe as describe_dtype
+from duplexkv.flags import Accumulate
 from duplexkv.launch import bidirectional_kv, spawn, wait_ready, worker_args
 
 MISS = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -76,7 +77,7 @@ def timed_pull(client: httpx.Client, url: str, prompt: list[int],
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
+    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate, default=[2048, 8192, 16384])
     ap.add_argument("--connector", default="TcpConnector", choices=["TcpConnector",
                                                                     "NixlConnector"])
     ap.add_argument("--reps", type=int, default=2)

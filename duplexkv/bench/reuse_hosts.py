@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from duplexkv.flags import Accumulate
+
 NEW_TURN, ANSWER = 256, 64
 VOCAB = 4000
 
@@ -68,8 +70,8 @@ def first_turn(client: httpx.Client, url: str, prompt: list[int], conv: str) -> 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rate", nargs="+", default=["1gbit", "10gbit"])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--rate", nargs="+", action=Accumulate, default=["1gbit", "10gbit"])
+    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate, default=[8192, 16384])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--connector", default="TcpConnector",
                     choices=["TcpConnector", "NixlConnector"])

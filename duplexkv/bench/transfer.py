@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from duplexkv.flags import Accumulate
+
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
@@ -124,9 +126,9 @@ def main(argv: list[str] | None = None) -> None:
 
         return multihost(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 16384])
+    ap.add_argument("--tokens", type=int, nargs="+", action=Accumulate, default=[2048, 8192, 16384])
     ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--kinds", nargs="+", default=["nixl", "tcp"])
+    ap.add_argument("--kinds", nargs="+", action=Accumulate, default=["nixl", "tcp"])
     ap.add_argument("--nixl-progress-ms", type=float, default=5.0,
                     help="poll timeout of NIXL's progress thread; 0 = no thread")
     ap.add_argument("--nixl-threads", type=int, default=0, help="NIXL UCX num_threads")

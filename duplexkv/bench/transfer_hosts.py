@@ -29,6 +29,8 @@ import threading
 import time
 from pathlib import Path
 
+from duplexkv.flags import Accumulate
+
 BLOCK = (8, 2, 16, 2, 64)  # the bench model: layers, k/v, tokens per block, kv heads, head dim
 BLOCK_TOKENS = 16
 RAW_PORT = 7100
@@ -121,10 +123,10 @@ def _bits(rate: str) -> float | None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--multihost", action="store_true")
-    ap.add_argument("--rate", nargs="+", default=["1gbit", "10gbit", "unlimited"])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 16384])
+    ap.add_argument("--rate", nargs="+", action=Accumulate, default=["1gbit", "10gbit", "unlimited"])
+    ap.add_argument("--tokens", type=int, nargs="+", action=Accumulate, default=[2048, 8192, 16384])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--kinds", nargs="+", default=["nixl", "tcp"])
+    ap.add_argument("--kinds", nargs="+", action=Accumulate, default=["nixl", "tcp"])
     ap.add_argument("--role", choices=("holder", "reader"), help=argparse.SUPPRESS)
     ap.add_argument("--addr", help=argparse.SUPPRESS)
     ap.add_argument("--holder-addr", help=argparse.SUPPRESS)

@@ -38,6 +38,7 @@ import httpx
 
 from duplexkv.bench import vllm_venv
 from duplexkv.engine.dtype import cpu_bf16_status, native_bf16_flag, read_cpu_flags
+from duplexkv.flags import Accumulate
 from duplexkv.launch import spawn, wait_ready, worker_args
 from duplexkv.model.registry import resolve_model
 
@@ -196,12 +197,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--venv", type=Path, default=vllm_venv.default_venv())
     ap.add_argument("--model", default="bench", help="a preset or a model directory")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    ap.add_argument("--decode-contexts", type=int, nargs="+", default=[4096, 8192])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate, default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--decode-contexts", type=int, nargs="+", action=Accumulate, default=[4096, 8192])
+    ap.add_argument("--batches", type=int, nargs="+", action=Accumulate, default=[1, 8])
     ap.add_argument("--decode-tokens", type=int, default=48, help="tokens per decode request")
     ap.add_argument("--reps", type=int, default=2, help="best of this many (different prompts)")
-    ap.add_argument("--servers", nargs="+", default=["vllm", "duplexkv"],
+    ap.add_argument("--servers", nargs="+", action=Accumulate, default=["vllm", "duplexkv"],
                     choices=["vllm", "duplexkv"])
     ap.add_argument("--cores", default=f"0-{(os.cpu_count() or 1) - 1}",
                     help="vLLM's VLLM_CPU_OMP_THREADS_BIND")

@@ -32,6 +32,7 @@ import torch
 
 from duplexkv import LLM, SamplingParams
 from duplexkv.engine.dtype import describe as describe_dtype
+from duplexkv.flags import Accumulate
 from duplexkv.launch import Proc, bidirectional_kv, spawn, stop_all, wait_ready, worker_args
 
 CPU_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -136,7 +137,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate, default=[2048, 4096, 8192])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--worker", action="append", default=[], metavar="SPEC",
                     help="NAME[,tree=DIR][,VAR=VALUE...]: a worker of DIR's code with those "

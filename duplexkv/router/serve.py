@@ -9,6 +9,7 @@ import os
 import sys
 
 from duplexkv.discovery.record import DISCOVERY_ENV, discovery_url
+from duplexkv.flags import Accumulate
 from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, check_key, keys_from
 from duplexkv.router.config import DEFAULT_CONVERSATION_TTL_S, RouterConfig
 from duplexkv.router.placement import DEFAULT_MODE, MODES, PlacementConfig
@@ -21,10 +22,10 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
         "router", help="run the KV-cache-aware P/D router",
         description="Route OpenAI requests through prefill and decode workers, keeping each "
                     "conversation's KV on its decode worker for the next turn.")
-    p.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+    p.add_argument("--prefill", nargs="+", action=Accumulate, default=[], metavar="URL",
                    help="prefill worker base URLs, e.g. http://127.0.0.1:8100 (static; optional "
                         "with --discovery)")
-    p.add_argument("--decode", nargs="+", default=[], metavar="URL",
+    p.add_argument("--decode", nargs="+", action=Accumulate, default=[], metavar="URL",
                    help="decode worker base URLs (static; optional with --discovery)")
     p.add_argument("--discovery", nargs="?", const="", default=None, metavar="URL",
                    help="also learn workers from the registry at redis://[:password@]host:port/db "

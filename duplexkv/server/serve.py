@@ -11,6 +11,7 @@ from dataclasses import fields
 
 from duplexkv.engine.config import EngineConfig
 from duplexkv.engine.dtype import DTYPE_CHOICES
+from duplexkv.flags import Accumulate
 from duplexkv.server.discovery import DiscoverySpec, add_discovery_args, run_registration
 
 log = logging.getLogger("duplexkv.serve")
@@ -34,7 +35,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                                  "Face repo id already in the local HF cache (never downloaded)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+    p.add_argument("--served-model-name", nargs="+", action=Accumulate, default=None, metavar="NAME",
                    help="the model's name(s) in the API; requests may use any, responses carry "
                         "the first (default: MODEL as given, as vLLM)")
     p.add_argument("--revision", default=None,
@@ -121,8 +122,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from duplexkv.engine.async_engine import AsyncEngine
     from duplexkv.engine.llm_engine import LLMEngine
     from duplexkv.http.uvicorn_server import CleanExitServer as Server
-    from duplexkv.server.app import build_app
     from duplexkv.server import retention_route
+    from duplexkv.server.app import build_app
     from duplexkv.server.kv_hook import attach_kv_transfer
 
     engine = LLMEngine(config)
