@@ -1,10 +1,24 @@
-"""The conversation half of scripts/vllm_interop.sh: one multi-turn chat through the router (vLLM P
-and D behind it) and the same messages to a single vLLM server, then the checks and a summary.
+"""The conversation half of scripts/vllm_interop.sh: multi-turn chats through the router (vLLM P and
+D with bidirectional KV transfer behind it), the same messages to a single vLLM server, the checks.
 
-Checks (exit 1 naming each failure): every turn answers; D's NIXL transfer count
-(`vllm:nixl_xfer_time_seconds_count`) and the tokens it loaded from P
-(`vllm:external_prefix_cache_hits_total`) grew on every turn; each turn's temperature-0 text
-equals the single server's for the same messages.
+Conversations (temperature 0, the `openai` client, `conversation_id` in the body):
+    json      TURNS turns, non-streaming
+    stream    TURNS turns, streamed (D's params reach the router through duplexkv's vLLM plugin)
+    edited    3 turns; before the third the client edits its first user message
+    strip     3 turns; before the third the client drops the start of the second answer from
+              its history, as clients drop a reasoning model's `<think>` block (the synthetic
+              model writes none of its own, and the router, like our workers, refuses
+              continue_final_message, which could have planted one)
+    two at once: a JSON and a streamed conversation of 3 turns, turn by turn concurrently
+
+Checks (exit 1 naming each failure): every turn answers and equals the single server's text
+for the same messages; on every turn whose history extends D's prompt the router verified a
+`hit`, or a `partial` prefix where the previous answer re-tokenizes differently (the synthetic
+model's random text often does), and P's own D->P read counter
+(`vllm:nixl_xfer_time_seconds_count`) grew; on the edited and the
+stripped turn the router did not hand over D's whole sequence (verify outcome partial or
+mismatch); no failed transfer on P or D and no expired lease on P (vLLM's counters do not grow;
+D's expiry counter too when the run is shorter than D's 480 s TTL).
 """
 
 from __future__ import annotations
@@ -16,6 +30,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from openai import OpenAI
 
@@ -27,17 +42,22 @@ USER_TURNS = [
     "Write a test for it with pytest.",
     "Summarise the conversation in one sentence.",
 ]
-D_METRICS = ("vllm:nixl_xfer_time_seconds_count", "vllm:nixl_bytes_transferred_sum",
-             "vllm:external_prefix_cache_hits_total", "vllm:prompt_tokens_total",
-             "vllm:prefix_cache_hits_total", "vllm:nixl_num_failed_transfers_total")
+# an agent's instructions: long enough (~400 tokens) that a history whose answer re-tokenizes
+# differently (the synthetic model's random text often does) still shares whole 128-token
+# blocks with D's sequence
+SYSTEM = ("You are a careful coding assistant. Answer with short, correct Python code and one "
+          "sentence of explanation. Follow PEP 8, prefer the standard library, add type hints, "
+          "and say when a question is ambiguous. ") * 8
+READS = "vllm:nixl_xfer_time_seconds_count"
+BAD = ("vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total",
+       "vllm:nixl_num_failed_notifications_total")
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
 def metrics(base_url: str) -> dict[str, float]:
-    """Each sample name in D_METRICS summed over its labels (absent: 0)."""
     with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    out = dict.fromkeys(D_METRICS, 0.0)
+    out = dict.fromkeys((READS, *BAD), 0.0)
     for line in text.splitlines():
         m = SAMPLE.match(line)
         if m and m.group(1) in out:
@@ -45,103 +65,132 @@ def metrics(base_url: str) -> dict[str, float]:
     return out
 
 
-def metrics_after(base_url: str, before: dict[str, float], timeout: float = 15.0) -> dict[str, float]:
-    """D's metrics once its NIXL stats for the turn are in (they are published with an engine
-    step, so they can trail the answer), or as they are at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        now = metrics(base_url)
-        keys = ("vllm:nixl_xfer_time_seconds_count", "vllm:external_prefix_cache_hits_total")
-        if all(now[k] > before[k] for k in keys) or time.monotonic() > deadline:
-            return now
-        time.sleep(0.2)
+class Chat:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.router = OpenAI(base_url=args.router + "/v1", api_key="none", max_retries=0,
+                             timeout=600)
+        self.single = OpenAI(base_url=args.single + "/v1", api_key="none", max_retries=0,
+                             timeout=600)
+
+    def ask(self, client: OpenAI, messages: list, stream: bool, cid: str | None,
+            extra: dict | None = None) -> tuple[str, dict | None]:
+        body = dict(extra or {})
+        if cid is not None:
+            body["conversation_id"] = cid
+        kw = dict(model=self.args.model, messages=messages, temperature=0,
+                  max_tokens=self.args.max_tokens, extra_body=body)
+        if not stream:
+            r = client.chat.completions.create(**kw)
+            return r.choices[0].message.content or "", (r.model_extra or {}).get("kv_stats")
+        text, stats = [], None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            extra_fields = chunk.model_extra or {}
+            stats = extra_fields.get("kv_stats", stats)
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+        return "".join(text), stats
+
+    def turn(self, messages: list, stream: bool, cid: str, extra: dict | None = None) -> dict:
+        got, stats = self.ask(self.router, messages, stream, cid, extra)
+        want, _ = self.ask(self.single, messages, False, None, extra)
+        return {"text": got, "equal": got == want, "stats": stats or {}}
 
 
-def chat(client: OpenAI, model: str, messages: list[dict], stream: bool, max_tokens: int,
-         headers: dict[str, str]) -> tuple[str, str | None, dict | None]:
-    """(text, finish_reason, kv_stats) of one temperature-0 chat turn."""
-    args = dict(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                extra_headers=headers)
-    if not stream:
-        r = client.chat.completions.create(**args)
-        return r.choices[0].message.content or "", r.choices[0].finish_reason, \
-            (r.model_extra or {}).get("kv_stats")
-    text, finish, kv_stats = [], None, None
-    for chunk in client.chat.completions.create(**args, stream=True,
-                                                stream_options={"include_usage": True}):
-        kv_stats = (chunk.model_extra or {}).get("kv_stats") or kv_stats
-        for c in chunk.choices:
-            text.append(c.delta.content or "")
-            finish = c.finish_reason or finish
-    return "".join(text), finish, kv_stats
+def conversation(chat: Chat, name: str, turns: int, stream: bool, edit_at: int | None = None,
+                 strip_at: int | None = None, on_turn=None) -> list[dict]:
+    cid, rows = f"{name}-{uuid.uuid4().hex[:8]}", []
+    messages = [{"role": "system", "content": SYSTEM}]
+    for t in range(turns):
+        if edit_at is not None and t == edit_at:
+            messages[1] = {"role": "user", "content": messages[1]["content"] + " Use Python 3."}
+        messages.append({"role": "user", "content": USER_TURNS[t % len(USER_TURNS)]})
+        before = on_turn() if on_turn else None
+        row = chat.turn(messages, stream, cid)
+        row.update(conversation=name, turn=t + 1, edited=edit_at == t,
+                   stripped=strip_at is not None and t == strip_at + 1)
+        if on_turn:
+            row["reads"] = on_turn()[READS] - before[READS]
+        text = row["text"]
+        if strip_at is not None and t == strip_at:  # the client drops the answer's start
+            text = text[len(text) // 3:]
+        messages.append({"role": "assistant", "content": text})
+        rows.append(row)
+    return rows
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser()
     ap.add_argument("--router", required=True)
-    ap.add_argument("--decode", required=True, help="D's base URL (its /metrics)")
-    ap.add_argument("--single", required=True, help="the reference vLLM server's base URL")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--turns", type=int, default=len(USER_TURNS))
+    ap.add_argument("--prefill", required=True)
+    ap.add_argument("--decode", required=True)
+    ap.add_argument("--single", required=True)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
-    routed = OpenAI(base_url=args.router + "/v1", api_key="none", timeout=300, max_retries=0)
-    single = OpenAI(base_url=args.single + "/v1", api_key="none", timeout=300, max_retries=0)
-    conv = {"X-Conversation-ID": f"interop-{uuid.uuid4().hex[:12]}"}
-    messages: list[dict] = [{"role": "system", "content": "You are a terse coding assistant."}]
-    failures, rows = [], []
+    chat = Chat(args)
     started = time.monotonic()
-    for turn in range(args.turns):
-        messages.append({"role": "user", "content": USER_TURNS[turn % len(USER_TURNS)]})
-        stream = turn % 2 == 1
-        before = metrics(args.decode)
-        try:
-            text, finish, kv = chat(routed, args.model, messages, stream, args.max_tokens, conv)
-        except Exception as e:  # noqa: BLE001 - any failure of a turn is reported, then fatal
-            failures.append(f"turn {turn + 1} through the router failed: {e!r}")
-            break
-        after = metrics_after(args.decode, before)
-        ref, ref_finish, _ = chat(single, args.model, messages, stream, args.max_tokens, {})
-        delta = {k: after[k] - before[k] for k in D_METRICS}
-        rows.append({
-            "turn": turn + 1, "stream": stream, "finish": finish,
-            "equal": (text, finish) == (ref, ref_finish),
-            "nixl_transfers": int(delta["vllm:nixl_xfer_time_seconds_count"]),
-            "nixl_bytes": int(delta["vllm:nixl_bytes_transferred_sum"]),
-            "d_prompt_tokens": int(delta["vllm:prompt_tokens_total"]),
-            "d_loaded_from_p": int(delta["vllm:external_prefix_cache_hits_total"]),
-            "d_local_hits": int(delta["vllm:prefix_cache_hits_total"]),
-            "conversation": (kv or {}).get("conversation"),
-        })
-        row = rows[-1]
-        if not text:
-            failures.append(f"turn {turn + 1}: empty answer")
-        if not row["equal"]:
-            failures.append(f"turn {turn + 1}: router {text!r} ({finish}) != single vLLM "
-                            f"{ref!r} ({ref_finish})")
-        if row["nixl_transfers"] < 1 or row["d_loaded_from_p"] < 1:
-            failures.append(f"turn {turn + 1}: D shows no NIXL transfer from P ({delta})")
-        if delta["vllm:nixl_num_failed_transfers_total"]:
-            failures.append(f"turn {turn + 1}: D counted failed NIXL transfers ({delta})")
-        messages.append({"role": "assistant", "content": text})
-    elapsed = time.monotonic() - started
+    at_start = {role: metrics(url) for role, url in (("prefill", args.prefill),
+                                                     ("decode", args.decode))}
 
-    print(f"{'turn':>4} {'mode':>6} {'finish':>7} {'= single':>8} {'NIXL xfers':>10} "
-          f"{'bytes':>8} {'D prompt':>8} {'from P':>6} {'D hits':>6}  conversation")
+    def p_reads():
+        return metrics(args.prefill)
+
+    rows = []
+    rows += conversation(chat, "json", args.turns, False, on_turn=p_reads)
+    rows += conversation(chat, "stream", args.turns, True, on_turn=p_reads)
+    rows += conversation(chat, "edited", 3, False, edit_at=2, on_turn=p_reads)
+    rows += conversation(chat, "strip", 3, True, strip_at=1, on_turn=p_reads)
+    before = p_reads()[READS]
+    with ThreadPoolExecutor(2) as ex:
+        both = [ex.submit(conversation, chat, "pairjson", 3, False),
+                ex.submit(conversation, chat, "pairstream", 3, True)]
+        pair = [r for f in both for r in f.result()]
+    pair_reads = p_reads()[READS] - before
+    rows += pair
+
+    failures = []
     for r in rows:
-        print(f"{r['turn']:>4} {'stream' if r['stream'] else 'json':>6} {r['finish'] or '-':>7} "
-              f"{'yes' if r['equal'] else 'NO':>8} {r['nixl_transfers']:>10} {r['nixl_bytes']:>8} "
-              f"{r['d_prompt_tokens']:>8} {r['d_loaded_from_p']:>6} {r['d_local_hits']:>6}  "
-              f"{r['conversation']}")
-    summary = {"turns": len(rows), "turns_equal": sum(r["equal"] for r in rows),
-               "nixl_transfers": sum(r["nixl_transfers"] for r in rows),
-               "nixl_bytes": sum(r["nixl_bytes"] for r in rows),
-               "tokens_loaded_from_p": sum(r["d_loaded_from_p"] for r in rows),
-               "conversation_seconds": round(elapsed, 1), "ok": not failures}
-    print("summary:", json.dumps(summary))
+        v = (r["stats"] or {}).get("verify") or {}
+        r["verify"] = f"{v.get('outcome', '-')}" + (f"/{v['reason']}" if v.get("reason") else "")
+        r["offered"] = v.get("offered_tokens", 0)
+        where = f"{r['conversation']} turn {r['turn']}"
+        if not r["text"]:
+            failures.append(f"{where}: empty answer")
+        if not r["equal"]:
+            failures.append(f"{where}: answer differs from the single vLLM server's")
+        if r["turn"] == 1 or r["conversation"].startswith("pair"):
+            continue
+        if r["edited"] or r["stripped"]:
+            if v.get("outcome") == "hit":
+                failures.append(f"{where}: the history changed, yet D's whole sequence was reused")
+        elif v.get("outcome") not in ("hit", "partial"):
+            failures.append(f"{where}: history extends D's prompt but verify said {r['verify']}")
+        if v.get("outcome") in ("hit", "partial") and r.get("reads", 0) < 1:
+            failures.append(f"{where}: P did not read D's KV (vllm:nixl_xfer_time_seconds_count)")
+    reused_pair = sum(1 for r in pair if ((r["stats"] or {}).get("verify") or {}).get("outcome")
+                      in ("hit", "partial"))
+    if reused_pair < 4 or pair_reads < reused_pair:
+        failures.append(f"two at once: {reused_pair} reused turns (want 4), P read {pair_reads}")
+    # D keeps a conversation's last turn for decoder_kv_blocks_ttl (480 s) and then counts it
+    # expired, by design: its expiry counter is checked only on a run shorter than that
+    short = time.monotonic() - started < 470
+    for role, url in (("prefill", args.prefill), ("decode", args.decode)):
+        m = metrics(url)
+        for name in BAD:
+            grew = m[name] - at_start[role][name]
+            if grew and (role == "prefill" or short or "expired" not in name):
+                failures.append(f"{role}: {name} grew by {grew:g}")
+
+    print(f"{'conversation':<12} {'turn':>4} {'verify':<22} {'offered':>7} {'P reads':>7} equal")
+    for r in rows:
+        print(f"{r['conversation']:<12} {r['turn']:>4} {r['verify']:<22} {r['offered']:>7} "
+              f"{r.get('reads', '-'):>7} {r['equal']}")
     for f in failures:
-        print("FAIL:", f, file=sys.stderr)
-    return 1 if failures else 0
+        print("FAIL:", f)
+    print(json.dumps({"ok": not failures, "turns": len(rows), "failures": len(failures)}))
+    return 0 if not failures else 1
 
 
 if __name__ == "__main__":

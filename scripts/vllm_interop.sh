@@ -11,14 +11,16 @@
 # 2. A synthetic model with `duplexkv make-model` ($VLLM_INTEROP_PRESET, default tiny).
 # 3. vLLM P (core 0) and D (core 1) with NixlConnector, a single vLLM server for reference, and
 #    `duplexkv router --prefill P --decode D`, each on a free loopback port.
-# 4. scripts/vllm_interop.py drives a multi-turn chat (JSON and streaming turns) and checks every
-#    turn answers, D read KV from P over NIXL on every turn, and the temperature-0 text equals the
-#    single server's. Prints a table and a summary line; exit 1 on any failure.
+# 4. scripts/vllm_interop.py drives JSON and streamed chats, an edited history, a stripped answer
+#    and two conversations at once, and checks every temperature-0 answer equals the single
+#    server's, P read D's history (bidirectional) on the turns the router verified, and vLLM's
+#    failed/expired transfer counters stay 0. Prints a table and a summary line; exit 1 on any
+#    failure. vLLM's venv gets duplexkv's vLLM plugin (kv_transfer_params on streams).
 # Every process started here is stopped on exit, failure or Ctrl-C included.
 #
 # Environment: DUPLEXKV_PYTHON (a Python with duplexkv and openai; default the repo's .venv),
 # DUPLEXKV_TORCH_INDEX (where torch==X+cpu comes from; default PyTorch's CPU index, empty: none),
-# VLLM_INTEROP_TURNS (6), VLLM_INTEROP_MAX_TOKENS (48), VLLM_INTEROP_START_TIMEOUT (900 s),
+# VLLM_INTEROP_TURNS (4), VLLM_INTEROP_MAX_TOKENS (48), VLLM_INTEROP_START_TIMEOUT (900 s),
 # VLLM_CPU_KVCACHE_SPACE (GiB of KV per vLLM server, 1), VLLM_INTEROP_KEEP=1 keeps the logs.
 set -euo pipefail
 
@@ -92,7 +94,9 @@ wait_ready() {  # wait_ready NAME URL PID: /health answers 200, or fail if the p
 }
 
 # 3. vLLM P, D and the single reference server; then the router
-KV='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'
+# bidirectional KV transfer on both (D keeps each turn's KV, P reads it back), as published: P
+# without its own prefix cache, so every reuse is a D->P read; threshold 16 (vLLM's default 64)
+KV='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu","kv_connector_extra_config":{"bidirectional_kv_xfer":true,"kv_recompute_threshold":16}}'
 # --enforce-eager: no torch.compile at start (minutes on 2 cores); float32: the reference
 # comparison is exact only in float32, and this CPU has no native bfloat16 anyway
 # `vllm serve` itself fails in vllm-cpu 0.32.0 (its CLI asks for the version of a `vllm`
@@ -102,7 +106,7 @@ VLLM_ARGS=(--host 127.0.0.1 --served-model-name "$PRESET" --dtype float32 --enfo
 P_PORT=$(free_port); D_PORT=$(free_port); S_PORT=$(free_port); R_PORT=$(free_port)
 P_SIDE=$(free_port); D_SIDE=$(free_port)
 start vllm-prefill env VLLM_CPU_OMP_THREADS_BIND=0 VLLM_NIXL_SIDE_CHANNEL_PORT="$P_SIDE" \
-  "${VLLM_SERVE[@]}" --port "$P_PORT" "${VLLM_ARGS[@]}" --kv-transfer-config "$KV"
+  "${VLLM_SERVE[@]}" --port "$P_PORT" "${VLLM_ARGS[@]}" --no-enable-prefix-caching --kv-transfer-config "$KV"
 P_PID=${PIDS[-1]}
 start vllm-decode env VLLM_CPU_OMP_THREADS_BIND=1 VLLM_NIXL_SIDE_CHANNEL_PORT="$D_SIDE" \
   "${VLLM_SERVE[@]}" --port "$D_PORT" "${VLLM_ARGS[@]}" --kv-transfer-config "$KV"
@@ -121,7 +125,7 @@ wait_ready router "http://127.0.0.1:$R_PORT" "${PIDS[-1]}"
 # 4. the conversation and the checks
 log "driving the conversation"
 "$DUPLEXKV_PYTHON" "$HERE/vllm_interop.py" --router "http://127.0.0.1:$R_PORT" \
-  --decode "http://127.0.0.1:$D_PORT" --single "http://127.0.0.1:$S_PORT" --model "$PRESET" \
-  --turns "${VLLM_INTEROP_TURNS:-6}" --max-tokens "${VLLM_INTEROP_MAX_TOKENS:-48}"
+  --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" --single "http://127.0.0.1:$S_PORT" --model "$PRESET" \
+  --turns "${VLLM_INTEROP_TURNS:-4}" --max-tokens "${VLLM_INTEROP_MAX_TOKENS:-48}"
 curl -sf "http://127.0.0.1:$R_PORT/metrics" | grep -E '^duplexkv_router_(requests|conversations)_total' || true
 log "passed: preset $PRESET, dtype float32 (vLLM pins: duplexkv/bench/vllm_venv.py)"

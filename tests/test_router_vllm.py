@@ -148,6 +148,10 @@ def test_bidirectional_vllm_params_are_stored_and_replayed_opaquely(tmp, placeme
             want = {**D_PARAMS, "do_remote_decode": True, "do_remote_prefill": False,
                     "remote_request_id": f"chatcmpl-d-{i + 1}"}
             want["remote_blocks_expiry_time"] = got["remote_blocks_expiry_time"]
+            # this stub returns no token ids, so the router cannot verify D's sequence against
+            # the next prompt (router/verify.py): P is told to read nothing (remote_num_tokens
+            # 0), which still frees D's blocks at once
+            want["remote_num_tokens"] = 0
             assert got == want
             assert isinstance(got["remote_blocks_expiry_time"], float)
         assert all(s["kv_transfer_params"] == P_PARAMS for s in d.seen)

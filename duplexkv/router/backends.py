@@ -25,6 +25,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from duplexkv.router.verify import block_size_from_metrics
+
 log = logging.getLogger("duplexkv.router")
 
 
@@ -42,6 +44,7 @@ class Backend:
     last_check: float = 0.0
     models: tuple[str, ...] = ()
     kind: str | None = None  # who serves it (/v1/models `owned_by`: "duplexkv", "vllm", ...)
+    block_size: int | None = None  # a vLLM worker's KV block (its /metrics), for verify.py
     kv_warning: str = ""  # a KV plane that workers on other hosts cannot reach
     _down: asyncio.Event | None = None  # set by the next mark_down; legs in flight wait on it
 
@@ -212,5 +215,8 @@ class HealthChecker:
                 b.models = tuple(m["id"] for m in data if isinstance(m, dict) and "id" in m)
                 owner = data[0].get("owned_by") if data and isinstance(data[0], dict) else None
                 b.kind = owner[:32] if isinstance(owner, str) and owner else None
+            if b.kind == "vllm":
+                r = await self.client.get(b.url + "/metrics", timeout=self.timeout_s)
+                b.block_size = block_size_from_metrics(r.text) if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             pass

@@ -37,6 +37,9 @@ class RouterConfig:
     # keep a conversation on its D unless that D has this many more requests in flight than the
     # least loaded one
     affinity_slack: int = 4
+    # a P that does not verify tokens (vLLM) is handed D's KV only when the verified prefix is
+    # at least this long (vLLM's own kv_recompute_threshold default; router/verify.py)
+    kv_recompute_threshold: int = 64
     rewrite_remote_host: bool = True  # only when a holder reports an empty/loopback host
     upstream_http: str = "fast"  # "fast" (router.transport) or "httpcore" (httpx's default)
     connect_timeout_s: float = 5.0
@@ -90,6 +93,8 @@ class RouterConfig:
             raise ValueError("--max-request-bytes and --max-header-bytes must be >= 1024")
         if self.max_json_depth < 2:
             raise ValueError("--max-json-depth must be >= 2")
+        if self.kv_recompute_threshold < 0:
+            raise ValueError("--kv-recompute-threshold must be >= 0")
         if self.lease_renew_period_s <= 0 or not 0 < self.keepalive_s <= self.conversation_ttl_s:
             raise ValueError("--lease-renew-period must be > 0 and --keepalive-seconds in "
                              "(0, --conversation-ttl]")

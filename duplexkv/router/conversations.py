@@ -79,7 +79,7 @@ class Conversations:
         return Recalled(key, taken.entry, "hit")
 
     async def remember(self, key: str | None, decode_url: str, params: dict | None,
-                       request_id: str) -> None:
+                       request_id: str, tokens: list[int] | None = None) -> None:
         if key is None:
             return
         if not params:
@@ -95,7 +95,7 @@ class Conversations:
                             decode_url)
         elif self.rewrite_host:
             params = rewrite_remote_host(params, decode_url)
-        entry = Entry(params, decode_url, time.time())
+        entry = Entry(params, decode_url, time.time(), tokens if params else None)
         if params and self.keeper is not None:
             self.keeper.turn_finished(key, entry)
         try:

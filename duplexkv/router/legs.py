@@ -106,6 +106,7 @@ class TurnStats:
     placement: str | None = None
     placement_reason: str | None = None
     suffix_estimate: int | None = None  # the router's estimate of the new tokens
+    verify: dict | None = None  # a replay to a P that does not check tokens (router/verify.py)
 
     def as_dict(self) -> dict:
         out = {"conversation": self.conversation, "prefill": self.prefill,
@@ -116,6 +117,8 @@ class TurnStats:
         if self.placement is not None:
             out.update(placement=self.placement, placement_reason=self.placement_reason,
                        suffix_estimate=self.suffix_estimate)
+        if self.verify is not None:
+            out["verify"] = self.verify
         return out
 
 

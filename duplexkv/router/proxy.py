@@ -54,6 +54,15 @@ from duplexkv.router.request import ClientRequest
 from duplexkv.router.store import ConversationStore, Entry
 from duplexkv.router.stream import DONE, StreamRelay
 from duplexkv.router.upstream import Upstream
+from duplexkv.router.verify import (
+    Verdict,
+    held_sequence,
+    prefix_holds,
+    release_params,
+    token_list,
+    tokenize_body,
+    verify,
+)
 
 log = logging.getLogger("duplexkv.router")
 perf = time.perf_counter
@@ -98,6 +107,7 @@ class Turn:
     chars: int | None = None  # the prompt's size, for the next turn's suffix estimate
     placement: Placement | None = None
     local_d: Backend | None = None  # decode_local: the one D that holds the history
+    verdict: Verdict | None = None  # the router's token check of a replay (router/verify.py)
 
 
 class Proxy:
@@ -157,22 +167,23 @@ class Proxy:
         turn.key, turn.entry, turn.stats.conversation = await self.conversations.recall(
             req.api_key, req.conversation_id, turn.request_id)
 
-    async def remember(self, turn: Turn, d: Backend, params: dict | None) -> None:
+    async def remember(self, turn: Turn, d: Backend, params: dict | None,
+                       tokens: list[int] | None = None) -> None:
         await self.conversations.remember(turn.key, d.url, with_prompt_chars(params, turn.chars),
-                                          turn.request_id)
+                                          turn.request_id, tokens)
 
     # upstream calls
     def _headers(self, turn: Turn) -> dict[str, str]:
         return {"content-type": "application/json", "x-request-id": turn.request_id,
                 **self.worker_headers}
 
-    async def _send(self, b: Backend, turn: Turn, body: dict, stream: bool = False
-                    ) -> httpx.Response:
+    async def _send(self, b: Backend, turn: Turn, body: dict, stream: bool = False,
+                    path: str | None = None) -> httpx.Response:
         """POST to a worker (headers only when `stream`); the caller owns b.outstanding."""
         t = perf()
         try:
             resp = await self._unless_down(b, self.upstream.post(
-                b.url + turn.req.path, dumps(body), self._headers(turn), stream=stream))
+                b.url + (path or turn.req.path), dumps(body), self._headers(turn), stream=stream))
         except WentDown:
             b.errors += 1
             log.warning("%s: %s (%s) went down during the request; abandoned",
@@ -236,10 +247,21 @@ class Proxy:
                 break
             if replaying and self._mixed(p, turn.entry.decode_url):
                 params, replaying, stats.conversation = miss_params(), False, "mixed"
+            checked = None  # the params a P that does not verify tokens was handed
+            if replaying and p.kind != "duplexkv":
+                checked = await self._verified(turn, p)
+                if checked is None:  # nothing to read: free D's blocks now, or a plain miss
+                    released = release_params(replay_params(turn.entry.params))
+                    params, replaying = released or miss_params(), False
+                else:
+                    params, replaying = checked, True
+            body = prefill_body(req, params)
+            if checked is not None:
+                body["return_token_ids"] = True
             answer, status, resp = None, 0, None
             p.outstanding += 1
             try:
-                resp = await self._send(p, turn, prefill_body(req, params))
+                resp = await self._send(p, turn, body)
                 status = resp.status_code
                 answer = resp.json() if status == 200 else None
                 if not isinstance(answer, dict):
@@ -253,6 +275,16 @@ class Proxy:
                 last = f"{p.name}: {type(e).__name__}"
             finally:
                 p.outstanding -= 1
+            if answer is not None and checked is not None and not prefix_holds(
+                    answer, checked, turn.entry.tokens):
+                # P's prompt is not what /tokenize said: never let it read on that basis
+                log.warning("%s: %s's prompt does not start with the verified prefix; retrying "
+                            "as a miss", turn.request_id, p.name)
+                turn.verdict.outcome, turn.verdict.reason = "mismatch", "prompt_differs"
+                stats.verify = turn.verdict.as_dict()
+                self.metrics.reuse.labels("retried").inc()
+                params, replaying, stats.conversation = miss_params(), False, "retried"
+                continue
             if answer is not None:
                 self._prefilled(turn, p, answer, replaying)
                 return
@@ -267,6 +299,38 @@ class Proxy:
                               resp.headers.get("content-type", "application/json"))
             tried.add(p)
         raise no_worker("prefill", last)
+
+    async def _verified(self, turn: Turn, p: Backend) -> dict | None:
+        """The entry's params cut to the prefix P's prompt shares with D's held sequence, or
+        None (the turn runs as a miss, counted by its reason); router/verify.py."""
+        entry, t = turn.entry, perf()
+        prompt = await self._tokenize(turn, p) if entry.tokens is not None else None
+        d = self.pool.by_url.get(("decode", entry.decode_url))
+        block = (d.block_size if d is not None else None) or p.block_size
+        checked, v = verify(replay_params(entry.params), entry.tokens, prompt, block,
+                            self.cfg.kv_recompute_threshold)
+        v.verify_ms = round((perf() - t) * 1e3, 3)
+        turn.verdict, turn.stats.verify = v, v.as_dict()
+        if checked is None:
+            self.metrics.reuse.labels(v.pull_outcome()).inc()
+            log.info("%s: not replaying D's KV to %s: %s %s (held %d, matched %d tokens)",
+                     turn.request_id, p.name, v.outcome, v.reason, v.held_tokens,
+                     v.matched_tokens)
+        return checked
+
+    async def _tokenize(self, turn: Turn, p: Backend) -> list[int] | None:
+        """P's own tokens for this request's prompt (its /tokenize), or None if it cannot say."""
+        body = tokenize_body(turn.req.body, chat=turn.req.path.endswith("/chat/completions"))
+        try:
+            resp = await self._send(p, turn, body, path="/tokenize")
+            tokens = token_list(resp.json().get("tokens")) if resp.status_code == 200 else None
+        except (Unreachable, httpx.HTTPError, ValueError, AttributeError) as e:
+            log.warning("%s: %s/tokenize failed: %r", turn.request_id, p.name, e)
+            return None
+        if tokens is None:
+            log.warning("%s: %s/tokenize answered %d without tokens", turn.request_id, p.name,
+                        resp.status_code)
+        return tokens
 
     def _mixed(self, p: Backend, decode_url: str) -> bool:
         """P and the D holding the conversation are different servers (our worker and vLLM):
@@ -290,6 +354,9 @@ class Proxy:
         turn.p_params = params if isinstance(params, dict) else None
         if self.cfg.rewrite_remote_host:
             turn.p_params = rewrite_remote_host(turn.p_params, p.url)
+        if turn.verdict is not None and turn.verdict.reuses:
+            stats.prefill = {**(stats.prefill or {}), "pull_outcome": turn.verdict.pull_outcome(),
+                             "offered_tokens": turn.verdict.offered_tokens}
         if replayed:
             self.metrics.reuse_outcome(stats.prefill)
         if turn.key is not None:
@@ -311,13 +378,25 @@ class Proxy:
             tried.add(d)
             yield d
 
+    @staticmethod
+    def _learns_tokens(turn: Turn, d: Backend) -> bool:
+        """Ask D for its sequence in tokens (for the next turn's check, router/verify.py): a
+        conversation turn with one choice on a D that is not ours."""
+        n = turn.req.body.get("n")
+        return turn.key is not None and d.kind != "duplexkv" and n in (None, 1)
+
+    def _client_wants_tokens(self, turn: Turn) -> bool:
+        return bool(turn.req.body.get("return_token_ids"))
+
     async def _decode_call(self, turn: Turn, stream: bool) -> tuple[Backend, httpx.Response]:
         body = decode_body(turn.req, turn.p_params)
         last = "no decode worker is configured"
         for d in self._decode_candidates(turn):
             d.outstanding += 1
             try:
-                resp = await self._send(d, turn, body, stream=stream)
+                leg_body = {**body, "return_token_ids": True} if self._learns_tokens(turn, d) \
+                    else body
+                resp = await self._send(d, turn, leg_body, stream=stream)
             except (Unreachable, httpx.HTTPError) as e:
                 d.outstanding -= 1
                 last = str(e) if isinstance(e, Unreachable) else f"{d.name}: {type(e).__name__}"
@@ -342,7 +421,10 @@ class Proxy:
         except ValueError:
             raise no_worker("decode", f"{d.name} answered invalid JSON") from None
         out, params = finish_json(d_json, turn.stats)
-        await self.remember(turn, d, params)
+        tokens = None
+        if self._learns_tokens(turn, d):
+            tokens = _held_from_json(out, params, strip=not self._client_wants_tokens(turn))
+        await self.remember(turn, d, params, tokens)
         self.metrics.overhead.observe(max(0.0, perf() - turn.arrival - turn.upstream_s))
         self.metrics.requests.labels(turn.req.endpoint, "ok").inc()
         return Response(dumps(out), media_type="application/json",
@@ -350,7 +432,9 @@ class Proxy:
 
     async def decode_stream(self, turn: Turn) -> Response:
         d, resp = await self._decode_call(turn, stream=True)
-        leg = _StreamLeg(turn, d, resp, StreamRelay(turn.stats, turn.arrival), perf())
+        relay = StreamRelay(turn.stats, turn.arrival, tokens=self._learns_tokens(turn, d),
+                            strip_tokens=not self._client_wants_tokens(turn))
+        leg = _StreamLeg(turn, d, resp, relay, perf())
         return SSEResponse(self._relay(leg), on_close=lambda: self._close(leg),
                            headers={"X-Request-Id": turn.request_id, "Cache-Control": "no-cache"})
 
@@ -363,7 +447,7 @@ class Proxy:
                     first_wait = perf() - leg.headers_at
                 for event in relay.feed(chunk):
                     if relay.done and not stored:  # store before [DONE]: the next turn may follow
-                        await self.remember(turn, d, relay.params)
+                        await self.remember(turn, d, relay.params, relay.held(relay.params))
                         stored = True
                     yield event
                     if not leg.delivered and event.startswith(DONE):  # resumed: it went out
@@ -376,7 +460,7 @@ class Proxy:
             for event in relay.flush():
                 yield event
             if not stored:
-                await self.remember(turn, d, relay.params)
+                await self.remember(turn, d, relay.params, relay.held(relay.params))
             if not leg.delivered:  # D closed without [DONE]: the client has all D sent
                 leg.outcome = "upstream_error" if relay.error else "ok"
         except httpx.HTTPError as e:
@@ -404,6 +488,22 @@ class Proxy:
         if leg.relay.first_token_at is not None:
             self.metrics.ttft.observe(leg.relay.first_token_at - leg.turn.arrival)
         self.metrics.requests.labels(leg.turn.req.endpoint, leg.outcome).inc()
+
+
+def _held_from_json(out: dict, params: dict | None, strip: bool) -> list[int] | None:
+    """D's held sequence from its JSON answer (chat: top-level prompt_token_ids; completions:
+    the choice's), the token ids removed from `out` when the client did not ask for them."""
+    choices = out.get("choices") if isinstance(out.get("choices"), list) else []
+    first = choices[0] if choices and isinstance(choices[0], dict) else {}
+    prompt = out.get("prompt_token_ids", first.get("prompt_token_ids"))
+    held = held_sequence(prompt, first.get("token_ids"), params)
+    if strip:
+        out.pop("prompt_token_ids", None)
+        for c in choices:
+            if isinstance(c, dict):
+                c.pop("token_ids", None)
+                c.pop("prompt_token_ids", None)
+    return held
 
 
 @dataclass(slots=True)

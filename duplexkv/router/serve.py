@@ -50,6 +50,10 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--affinity-slack", type=int, default=4,
                    help="keep a conversation on its decode worker unless it has this many more "
                         "requests in flight than the least loaded one")
+    p.add_argument("--kv-recompute-threshold", type=int, default=64, metavar="TOKENS",
+                   help="hand a vLLM prefill worker (which does not compare tokens) D's KV only "
+                        "for a verified common prefix of at least this many tokens (default 64, "
+                        "vLLM's own default; keep it at or above the workers' setting)")
     p.add_argument("--rewrite-remote-host", action=argparse.BooleanOptionalAction, default=True,
                    help="replace an empty/loopback remote_host in kv_transfer_params by the "
                         "worker's URL host (only when that host is not loopback)")
@@ -110,6 +114,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         store=args.store, conversation_ttl_s=args.conversation_ttl,
         max_conversations=args.max_conversations, health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout, affinity_slack=args.affinity_slack,
+        kv_recompute_threshold=args.kv_recompute_threshold,
         rewrite_remote_host=args.rewrite_remote_host, upstream_http=args.upstream_http,
         request_timeout_s=args.request_timeout, connect_timeout_s=args.connect_timeout,
         max_request_bytes=args.max_request_bytes,

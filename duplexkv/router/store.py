@@ -38,6 +38,8 @@ class Entry:
     params: dict  # D's kv_transfer_params, opaque
     decode_url: str  # the D that holds the blocks
     stored_at: float  # wall clock, informational
+    # D's sequence whose KV it holds, for a P that does not verify tokens (router/verify.py)
+    tokens: list[int] | None = None
 
     def dumps(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -45,7 +47,9 @@ class Entry:
     @classmethod
     def loads(cls, raw: str | bytes) -> Entry:
         d = json.loads(raw)
-        return cls(d["params"], d["decode_url"], float(d["stored_at"]))
+        tokens = d.get("tokens")
+        return cls(d["params"], d["decode_url"], float(d["stored_at"]),
+                   tokens if isinstance(tokens, list) else None)
 
 
 class TakeResult(NamedTuple):

@@ -6,6 +6,9 @@ the finish chunk, others on a trailing chunk) and the key is removed; D's `kv_st
 by the combined one, which is also added to the finish chunk when D sent none (and, from a D
 without kv_stats, to its `include_usage` chunk, with D's usage as the decode stats). Events that
 carry neither pass through as bytes, unparsed.
+
+With `tokens` (a D that is not ours, router/verify.py) the stream's `prompt_token_ids` (first
+chunk) and choice 0's `token_ids` are collected, and removed unless the client asked for them.
 """
 
 from __future__ import annotations
@@ -16,15 +19,18 @@ import time
 from collections.abc import Callable
 
 from duplexkv.router.legs import TurnStats, dumps, usage_stats
+from duplexkv.router.verify import MAX_TOKENS_KEPT, held_sequence, token_list
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 _USAGE = re.compile(rb'"usage":\s*\{')
+_TOKEN_IDS = b'token_ids"'
 DONE = b"data: [DONE]"
 
 
 class StreamRelay:
     def __init__(self, stats: TurnStats, arrival: float,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, tokens: bool = False,
+                 strip_tokens: bool = True) -> None:
         self.stats = stats
         self.arrival = arrival
         self.clock = clock
@@ -34,6 +40,15 @@ class StreamRelay:
         self.done = False
         self.error = False  # D sent an error event
         self._buf = b""
+        self.tokens, self.strip_tokens = tokens, strip_tokens
+        self._prompt_ids: list[int] | None = None
+        self._output_ids: list[int] | None = [] if tokens else None
+
+    def held(self, params: dict | None) -> list[int] | None:
+        """D's sequence whose KV it holds (None unless collected in full)."""
+        if not self.tokens:
+            return None
+        return held_sequence(self._prompt_ids, self._output_ids, params)
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Bytes from D -> the complete events to send now (each with its blank line)."""
@@ -59,6 +74,7 @@ class StreamRelay:
             return event
         needs_parse = (self.first_token_at is None or b'"kv_' in event
                        or (b'"finish_reason"' in event and b'"finish_reason":null' not in event)
+                       or (self.tokens and _TOKEN_IDS in event)
                        or (self.stats.decode_source != "kv_stats"
                            and _USAGE.search(event) is not None))
         if not needs_parse:
@@ -81,7 +97,7 @@ class StreamRelay:
         if self.first_token_at is None and _has_token(first):
             self.first_token_at = self.clock()
             self.stats.first_token_ms = round((self.first_token_at - self.arrival) * 1e3, 3)
-        changed = False
+        changed = self._collect(obj, choices) if self.tokens else False
         stats = self.stats
         if "kv_transfer_params" in obj:
             params = obj.pop("kv_transfer_params")
@@ -106,6 +122,32 @@ class StreamRelay:
             obj["kv_stats"] = stats.as_dict()
             self.stats_sent = changed = True
         return b"data: " + (dumps(obj) if changed else payload)
+
+
+    def _collect(self, obj: dict, choices: list) -> bool:
+        """Take the chunk's token ids (choice 0 only: the D leg learns with n=1); -> whether
+        the chunk was changed (ids removed)."""
+        prompt = obj.get("prompt_token_ids")
+        if prompt is not None and self._prompt_ids is None:
+            self._prompt_ids = token_list(prompt)
+        changed = False
+        if self.strip_tokens and "prompt_token_ids" in obj:
+            del obj["prompt_token_ids"]
+            changed = True
+        for c in choices:
+            if not isinstance(c, dict) or "token_ids" not in c:
+                continue
+            ids = c["token_ids"]
+            if c.get("index", 0) == 0 and self._output_ids is not None:
+                new = token_list(ids)
+                if new is None or len(self._output_ids) + len(new) > MAX_TOKENS_KEPT:
+                    self._output_ids = None  # not collected in full: nothing is stored
+                else:
+                    self._output_ids.extend(new)
+            if self.strip_tokens:
+                del c["token_ids"]
+                changed = True
+        return changed
 
 
 def _has_token(choice: dict) -> bool:
