@@ -42,7 +42,7 @@ USER_TURNS = [
     "Write a test for it with pytest.",
     "Summarise the conversation in one sentence.",
 ]
-# an agent's instructions: long enough (~400 tokens) that a history whose answer re-tokenizes
+# an agent's instructions: long enough (~500 tokens) that a history whose answer re-tokenizes
 # differently (the synthetic model's random text often does) still shares whole 128-token
 # blocks with D's sequence
 SYSTEM = ("You are a careful coding assistant. Answer with short, correct Python code and one "
