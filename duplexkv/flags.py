@@ -12,7 +12,7 @@ import argparse
 
 
 class Accumulate(argparse.Action):
-    """nargs="+" values that add up over repeated flags; the default is used only if none is given."""
+    """nargs="+" values that add up over repeated flags (the default only if none is given)."""
 
     def __init__(self, option_strings, dest, nargs="+", **kwargs) -> None:
         if nargs not in ("+", "*"):

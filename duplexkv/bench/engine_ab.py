@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", required=True, help="the source tree after it")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--cases", type=parse_case, nargs="+", action=Accumulate, default=[parse_case(c) for c in (
+    ap.add_argument("--cases", type=parse_case, nargs="+", action=Accumulate,
+                    default=[parse_case(c) for c in (
         "prefill:2048", "prefill:4096", "prefill:8192", "prefill:16384", "decode:4096x1",
         "decode:8192x1", "decode:4096x8", "decode:8192x8")])
     args = ap.parse_args(argv)

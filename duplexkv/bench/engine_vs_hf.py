@@ -98,7 +98,8 @@ def describe(r: dict, unit: str, k: float) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench")
-    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate, default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate,
+                    default=[2048, 4096, 8192, 16384])
     ap.add_argument("--dtypes", nargs="+", action=Accumulate, default=["bfloat16", "float32"])
     ap.add_argument("--decode-context", type=int, default=8192)
     ap.add_argument("--decode-steps", type=int, default=16)

@@ -53,7 +53,8 @@ def d_leg(client: httpx.Client, url: str, prompt: list[int], params: dict) -> tu
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench")
-    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate, default=[2048, 8192, 15360])
+    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate,
+                    default=[2048, 8192, 15360])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--connector", default="TcpConnector",
                     choices=["TcpConnector", "NixlConnector"])

@@ -231,7 +231,8 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--clients", type=int, default=1, help="conversations at once")
     m.add_argument("--idle", type=float, default=0.0, metavar="S",
                    help="wait between the turns of a conversation")
-    m.add_argument("--modes", nargs="+", action=Accumulate, choices=report.MODES, default=list(report.MODES))
+    m.add_argument("--modes", nargs="+", action=Accumulate,
+                   choices=report.MODES, default=list(report.MODES))
     m.add_argument("--system-tokens", type=int)
     m.add_argument("--input-tokens", type=int, nargs=2, metavar=("MIN", "MAX"),
                    help="tokens each turn adds (tool result / user message)")

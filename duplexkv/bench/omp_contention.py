@@ -50,7 +50,8 @@ def run(jobs: list[str], setting: str) -> list[float]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--settings", nargs="+", action=Accumulate, default=["", "OMP_WAIT_POLICY=PASSIVE"],
+    ap.add_argument("--settings", nargs="+", action=Accumulate,
+                    default=["", "OMP_WAIT_POLICY=PASSIVE"],
                     help="environment settings to compare ('' = libgomp's default)")
     args = ap.parse_args(argv)
     print(f"{os.cpu_count()} CPUs, {describe_dtype(None)}; jobs: 2 x 6k-token prefill | 150 "

@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate, default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate,
+                    default=[2048, 4096, 8192, 16384])
     ap.add_argument("--reps", type=int, default=2, help="the fastest of this many runs counts")
     ap.add_argument("--aten", action="store_true")
     args = ap.parse_args(argv)

@@ -182,7 +182,8 @@ def run(oversubscription: list[float], slots: int, minutes: float, seeds: list[i
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="duplexkv bench retention", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--oversubscription", type=float, nargs="+", action=Accumulate, default=[2.0, 3.0, 4.0],
+    ap.add_argument("--oversubscription", type=float, nargs="+", action=Accumulate,
+                    default=[2.0, 3.0, 4.0],
                     help="histories to keep / D's pool (sets the pool per trace)")
     ap.add_argument("--slots", type=int, default=32, help="conversations at once")
     ap.add_argument("--minutes", type=float, default=20.0)

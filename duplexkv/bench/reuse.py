@@ -77,7 +77,8 @@ def timed_pull(client: httpx.Client, url: str, prompt: list[int],
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench")
-    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate, default=[2048, 8192, 16384])
+    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate,
+                    default=[2048, 8192, 16384])
     ap.add_argument("--connector", default="TcpConnector", choices=["TcpConnector",
                                                                     "NixlConnector"])
     ap.add_argument("--reps", type=int, default=2)

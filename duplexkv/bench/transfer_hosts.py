@@ -123,7 +123,8 @@ def _bits(rate: str) -> float | None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--multihost", action="store_true")
-    ap.add_argument("--rate", nargs="+", action=Accumulate, default=["1gbit", "10gbit", "unlimited"])
+    ap.add_argument("--rate", nargs="+", action=Accumulate,
+                    default=["1gbit", "10gbit", "unlimited"])
     ap.add_argument("--tokens", type=int, nargs="+", action=Accumulate, default=[2048, 8192, 16384])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kinds", nargs="+", action=Accumulate, default=["nixl", "tcp"])

@@ -80,8 +80,8 @@ def install_plugin(py: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     ours = root / "duplexkv" / "vllm_plugin.py"
     if not (root / "pyproject.toml").exists():
-        print(f"vllm_venv: no duplexkv source tree at {root}: install the plugin into {py.parent.parent} "
-              "with `pip install --no-deps duplexkv`")
+        print(f"vllm_venv: no duplexkv source tree at {root}: install the plugin into "
+              f"{py.parent.parent} with `pip install --no-deps duplexkv`")
         return
     code = ("import sys, importlib.metadata as m, duplexkv.vllm_plugin as p; "
             "eps = m.entry_points(group='vllm.general_plugins'); "

@@ -197,8 +197,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--venv", type=Path, default=vllm_venv.default_venv())
     ap.add_argument("--model", default="bench", help="a preset or a model directory")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate, default=[2048, 4096, 8192, 16384])
-    ap.add_argument("--decode-contexts", type=int, nargs="+", action=Accumulate, default=[4096, 8192])
+    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate,
+                    default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--decode-contexts", type=int, nargs="+", action=Accumulate,
+                    default=[4096, 8192])
     ap.add_argument("--batches", type=int, nargs="+", action=Accumulate, default=[1, 8])
     ap.add_argument("--decode-tokens", type=int, default=48, help="tokens per decode request")
     ap.add_argument("--reps", type=int, default=2, help="best of this many (different prompts)")

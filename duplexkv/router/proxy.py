@@ -239,6 +239,7 @@ class Proxy:
         req, stats = turn.req, turn.stats
         params = replay_params(turn.entry.params) if turn.entry else miss_params()
         replaying = turn.entry is not None
+        released = False  # P is sent D's params to read nothing (verify.release_params)
         tried: set[Backend] = set()
         last = "no prefill worker is configured"
         for _ in range(len(self.pool.prefill) + 1):
@@ -251,8 +252,8 @@ class Proxy:
             if replaying and p.kind != "duplexkv":
                 checked = await self._verified(turn, p)
                 if checked is None:  # nothing to read: free D's blocks now, or a plain miss
-                    released = release_params(replay_params(turn.entry.params))
-                    params, replaying = released or miss_params(), False
+                    release = release_params(replay_params(turn.entry.params))
+                    params, replaying, released = release or miss_params(), False, bool(release)
                 else:
                     params, replaying = checked, True
             body = prefill_body(req, params)
@@ -288,11 +289,12 @@ class Proxy:
             if answer is not None:
                 self._prefilled(turn, p, answer, replaying)
                 return
-            if replaying:  # D's blocks may be gone or unreadable: retry once as a plain miss
+            if replaying or released:  # D may be gone or unreachable: retry once as a plain miss
                 log.warning("%s: P leg failed with stored params (%s); retrying as a miss",
                             turn.request_id, last)
                 self.metrics.reuse.labels("retried").inc()
                 params, replaying, stats.conversation = miss_params(), False, "retried"
+                released = False
                 continue
             if resp is not None and 400 <= status < 500:
                 raise Relayed(status, resp.content,
@@ -385,7 +387,8 @@ class Proxy:
         n = turn.req.body.get("n")
         return turn.key is not None and d.kind != "duplexkv" and n in (None, 1)
 
-    def _client_wants_tokens(self, turn: Turn) -> bool:
+    @staticmethod
+    def _client_wants_tokens(turn: Turn) -> bool:
         return bool(turn.req.body.get("return_token_ids"))
 
     async def _decode_call(self, turn: Turn, stream: bool) -> tuple[Backend, httpx.Response]:

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 from duplexkv.discovery.record import redact
 from duplexkv.router.breaker import Breaker
+from duplexkv.router.verify import token_list
 
 
 def conversation_key(api_key: str | None, conversation_id: str) -> str:
@@ -47,9 +48,7 @@ class Entry:
     @classmethod
     def loads(cls, raw: str | bytes) -> Entry:
         d = json.loads(raw)
-        tokens = d.get("tokens")
-        return cls(d["params"], d["decode_url"], float(d["stored_at"]),
-                   tokens if isinstance(tokens, list) else None)
+        return cls(d["params"], d["decode_url"], float(d["stored_at"]), token_list(d.get("tokens")))
 
 
 class TakeResult(NamedTuple):

@@ -123,7 +123,6 @@ class StreamRelay:
             self.stats_sent = changed = True
         return b"data: " + (dumps(obj) if changed else payload)
 
-
     def _collect(self, obj: dict, choices: list) -> bool:
         """Take the chunk's token ids (choice 0 only: the D leg learns with n=1); -> whether
         the chunk was changed (ids removed)."""

@@ -35,7 +35,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                                  "Face repo id already in the local HF cache (never downloaded)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--served-model-name", nargs="+", action=Accumulate, default=None, metavar="NAME",
+    p.add_argument("--served-model-name", nargs="+", action=Accumulate,
+                   default=None, metavar="NAME",
                    help="the model's name(s) in the API; requests may use any, responses carry "
                         "the first (default: MODEL as given, as vLLM)")
     p.add_argument("--revision", default=None,
