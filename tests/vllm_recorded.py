@@ -80,17 +80,21 @@ def chat_chunks(pieces: list[str], use: dict | None, params: dict | None) -> lis
 
 class VllmStub:
     """`role` "prefill" or "decode"; a decode stub returns D_PARAMS when `bidirectional`, else
-    null. Every POST body is recorded in `seen`. `hold_after_done_s`: a streaming answer keeps
+    null. Every POST body is recorded in `seen` (the router's warm-up calls in `warmups`). `hold_after_done_s`: a streaming answer keeps
     its connection open that long after `[DONE]` before closing."""
 
     def __init__(self, role: str, bidirectional: bool = True, cached: int | None = 16,
                  hold_after_done_s: float = 0.0, d_ttl_s: float | None = None,
-                 owned_by: str = "vllm") -> None:
+                 owned_by: str = "vllm", warmup_delay_s: float = 0.0,
+                 warmup_status: int = 200) -> None:
         self.owned_by = owned_by  # /v1/models `owned_by`: what the router takes it for
         self.role, self.bidirectional, self.cached = role, bidirectional, cached
         self.d_ttl_s = d_ttl_s  # set: D's expiry = its perf_counter() + this, as vLLM's
         self.hold_after_done_s = hold_after_done_s
         self.seen: list[dict] = []
+        self.warmups: list[dict] = []
+        self.order: list[str] = []  # "warmup" / "turn", per POST as it arrived
+        self.warmup_delay_s, self.warmup_status = warmup_delay_s, warmup_status
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -112,7 +116,16 @@ class VllmStub:
                     self._json(404, {"detail": "Not Found"})  # as vLLM (e.g. /v1/kv/retention)
                     return
                 body = json.loads(body)
-                stub.seen.append(body)
+                warmup = self.headers.get("x-request-id", "").startswith("duplexkv-warmup-")
+                stub.order.append("warmup" if warmup else "turn")
+                if warmup:  # the router's cold-start exchange (router/warmup.py)
+                    stub.warmups.append(body)
+                    time.sleep(stub.warmup_delay_s)
+                    if stub.warmup_status != 200:
+                        self._json(stub.warmup_status, {"error": {"message": "warm-up refused"}})
+                        return
+                else:
+                    stub.seen.append(body)
                 if stub.role == "prefill":
                     self._json(200, chat_json("The", "length", usage(40, 1, stub.cached),
                                               copy.deepcopy(P_PARAMS)))

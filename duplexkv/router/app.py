@@ -46,6 +46,7 @@ from duplexkv.router.proxy import Proxy, Relayed
 from duplexkv.router.request import ENDPOINTS, Kind, parse_client_request
 from duplexkv.router.store import ConversationStore, make_store
 from duplexkv.router.upstream import Upstream
+from duplexkv.router.warmup import PairWarmer
 
 log = logging.getLogger("duplexkv.router")
 
@@ -72,9 +73,12 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         upstream = Upstream(cfg)
-        state["proxy"] = Proxy(cfg, pool, store, metrics, upstream)
+        warmer = PairWarmer(pool, upstream, cfg.worker_headers(), cfg.warmup_timeout_s,
+                            cfg.rewrite_remote_host, metrics.warmups)
+        state["proxy"] = Proxy(cfg, pool, store, metrics, upstream, warmer)
         checker = HealthChecker(pool, upstream.client, cfg.health_interval_s,
-                                cfg.health_timeout_s)
+                                cfg.health_timeout_s, on_up=warmer.on_up,
+                                on_round=warmer.checked.set)
         checker.start()
         keeper.client = upstream.client
         state["proxy"].conversations.keeper = keeper
@@ -88,6 +92,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
                 await discovery.stop()
             await keeper.stop()
             await checker.stop()
+            await warmer.stop()
             await upstream.aclose()
             await store.close()
 

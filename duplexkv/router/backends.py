@@ -5,6 +5,9 @@
                shrinks to the new tail) unless it is down or has `affinity_slack` more requests in
                flight than the least loaded D; otherwise the least loaded
     ties       fewest picks so far, which spreads an idle pool round robin
+    warm       a healthy worker none of whose NIXL channels is open yet (router/warmup.py) is
+               picked only when no warm healthy one of its role is left; a D whose channel with
+               the turn's P is still being opened, only when no other warm D is left
     health     GET /health every `interval`; a refused connection marks a worker down at once,
                `unhealthy_after` failed checks in a row otherwise; one good check marks it up
     abandon    a leg in flight to a worker is abandoned when the worker is marked down (again):
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -46,6 +49,7 @@ class Backend:
     kind: str | None = None  # who serves it (/v1/models `owned_by`: "duplexkv", "vllm", ...)
     block_size: int | None = None  # a vLLM worker's KV block (its /metrics), for verify.py
     kv_warning: str = ""  # a KV plane that workers on other hosts cannot reach
+    warm: bool = True  # False while its NIXL channels are being opened (router/warmup.py)
     _down: asyncio.Event | None = None  # set by the next mark_down; legs in flight wait on it
 
     def mark_down(self, reason: str) -> None:
@@ -73,7 +77,7 @@ class Backend:
     def as_dict(self) -> dict:
         return {"name": self.name, "role": self.role, "healthy": self.healthy,
                 "outstanding": self.outstanding, "picks": self.picks, "errors": self.errors,
-                "last_error": self.last_error or None, "kv_warning": self.kv_warning or None,
+                "warm": self.warm, "last_error": self.last_error or None, "kv_warning": self.kv_warning or None,
                 "last_check_age_s": round(time.monotonic() - self.last_check, 3)
                 if self.last_check else None}
 
@@ -85,6 +89,7 @@ class BackendPool:
     affinity_slack: int = 4
     unhealthy_after: int = 2
     by_url: dict[tuple[str, str], Backend] = field(default_factory=dict)
+    cold_pairs: set[tuple[str, str]] = field(default_factory=set)  # (P url, D url) warming up
 
     @classmethod
     def from_urls(cls, prefill: Iterable[str], decode: Iterable[str], **kw) -> BackendPool:
@@ -105,15 +110,21 @@ class BackendPool:
 
     def _candidates(self, backends: list[Backend], exclude: set[Backend]) -> list[Backend]:
         left = [b for b in backends if b not in exclude]
-        return [b for b in left if b.healthy] or left
+        healthy = [b for b in left if b.healthy]
+        return [b for b in healthy if b.warm] or healthy or left
 
     def choose_prefill(self, exclude: set[Backend] = frozenset()) -> Backend | None:
         return self._pick(self._least_loaded(self._candidates(self.prefill, exclude)))
 
     def choose_decode(self, preferred_url: str | None = None,
-                      exclude: set[Backend] = frozenset()) -> tuple[Backend | None, bool]:
-        """-> (D, whether it is the preferred one)."""
+                      exclude: set[Backend] = frozenset(),
+                      prefill: Backend | None = None) -> tuple[Backend | None, bool]:
+        """-> (D, whether it is the preferred one); D's whose channel with `prefill` is still
+        warming are left out while another candidate is there."""
         candidates = self._candidates(self.decode, exclude)
+        if prefill is not None and self.cold_pairs:
+            candidates = [d for d in candidates
+                          if (prefill.url, d.url) not in self.cold_pairs] or candidates
         least = self._least_loaded(candidates)
         pref = self.by_url.get(("decode", preferred_url)) if preferred_url else None
         if (pref is not None and least is not None and pref in candidates and pref.healthy
@@ -144,8 +155,11 @@ class HealthChecker:
     """Polls every worker's /health (and /v1/models once it is up) on the router's client."""
 
     def __init__(self, pool: BackendPool, client: httpx.AsyncClient, interval_s: float,
-                 timeout_s: float) -> None:
+                 timeout_s: float, on_up: Callable[[Backend], None] | None = None,
+                 on_round: Callable[[], None] | None = None) -> None:
         self.pool = pool
+        self.on_up = on_up  # called when a worker comes up (its kind learned): warmup.py
+        self.on_round = on_round  # called after each round of checks
         self.client = client
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -165,6 +179,8 @@ class HealthChecker:
     async def _loop(self) -> None:
         while True:
             await self.check_all()
+            if self.on_round is not None:
+                self.on_round()
             await asyncio.sleep(self.interval_s)
 
     async def check(self, b: Backend) -> None:
@@ -179,9 +195,12 @@ class HealthChecker:
         b.last_check = time.monotonic()
         if ok:
             self._check_kv_address(b, r)
-            if not b.models or not b.healthy:
+            came_up = not b.models or not b.healthy
+            if came_up:
                 await self._learn_models(b)
             b.mark_up()
+            if came_up and b.models and self.on_up is not None:
+                self.on_up(b)
             return
         b.failed_checks += 1
         if b.failed_checks >= self.pool.unhealthy_after:

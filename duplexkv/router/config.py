@@ -40,6 +40,9 @@ class RouterConfig:
     # a P that does not verify tokens (vLLM) is handed D's KV only when the verified prefix is
     # at least this long (vLLM's own kv_recompute_threshold default; router/verify.py)
     kv_recompute_threshold: int = 64
+    # a vLLM worker that comes up first opens a NIXL channel with each partner (warmup.py); a
+    # turn waits at most this long for it while no worker of a role is warm (0: no warm-up)
+    warmup_timeout_s: float = 60.0
     rewrite_remote_host: bool = True  # only when a holder reports an empty/loopback host
     upstream_http: str = "fast"  # "fast" (router.transport) or "httpcore" (httpx's default)
     connect_timeout_s: float = 5.0
@@ -95,6 +98,8 @@ class RouterConfig:
             raise ValueError("--max-json-depth must be >= 2")
         if self.kv_recompute_threshold < 0:
             raise ValueError("--kv-recompute-threshold must be >= 0")
+        if not 0 <= self.warmup_timeout_s <= 3600:
+            raise ValueError("--warmup-timeout must be in [0, 3600] seconds (0: no warm-up)")
         if self.lease_renew_period_s <= 0 or not 0 < self.keepalive_s <= self.conversation_ttl_s:
             raise ValueError("--lease-renew-period must be > 0 and --keepalive-seconds in "
                              "(0, --conversation-ttl]")

@@ -107,6 +107,7 @@ class TurnStats:
     placement_reason: str | None = None
     suffix_estimate: int | None = None  # the router's estimate of the new tokens
     verify: dict | None = None  # a replay to a P that does not check tokens (router/verify.py)
+    warmup_wait_ms: float | None = None  # waited for a P<->D channel warm-up (warmup.py)
 
     def as_dict(self) -> dict:
         out = {"conversation": self.conversation, "prefill": self.prefill,
@@ -119,6 +120,8 @@ class TurnStats:
                        suffix_estimate=self.suffix_estimate)
         if self.verify is not None:
             out["verify"] = self.verify
+        if self.warmup_wait_ms is not None:
+            out["warmup_wait_ms"] = self.warmup_wait_ms
         return out
 
 

@@ -47,6 +47,9 @@ class RouterMetrics:
         self.upstream_errors = Counter(
             "duplexkv_router_upstream_errors", "Failed calls to workers by role and kind",
             ["role", "kind"], **m)
+        self.warmups = Counter(
+            "duplexkv_router_warmups", "P<->D channel warm-ups before a vLLM pair takes turns "
+            "(router/warmup.py) by outcome (ok, failed)", ["outcome"], **m)
         self.ttft = Histogram("duplexkv_router_time_to_first_token_seconds",
                               "Router arrival to the first token sent (streaming requests)",
                               buckets=TTFT_BUCKETS, **m)

@@ -54,6 +54,7 @@ from duplexkv.router.request import ClientRequest
 from duplexkv.router.store import ConversationStore, Entry
 from duplexkv.router.stream import DONE, StreamRelay
 from duplexkv.router.upstream import Upstream
+from duplexkv.router.warmup import PairWarmer
 from duplexkv.router.verify import (
     Verdict,
     held_sequence,
@@ -107,13 +108,16 @@ class Turn:
     chars: int | None = None  # the prompt's size, for the next turn's suffix estimate
     placement: Placement | None = None
     local_d: Backend | None = None  # decode_local: the one D that holds the history
+    p: Backend | None = None  # the P that prefilled this turn
     verdict: Verdict | None = None  # the router's token check of a replay (router/verify.py)
 
 
 class Proxy:
     def __init__(self, cfg: RouterConfig, pool: BackendPool, store: ConversationStore,
-                 metrics: RouterMetrics, upstream: Upstream) -> None:
+                 metrics: RouterMetrics, upstream: Upstream,
+                 warmer: PairWarmer | None = None) -> None:
         self.cfg, self.pool, self.metrics, self.upstream = cfg, pool, metrics, upstream
+        self.warmer = warmer
         self.worker_headers = cfg.worker_headers()  # never the client's Authorization
         self.conversations = Conversations(store, metrics, cfg.rewrite_remote_host)
         self._mixed_logged: set[tuple[str, str]] = set()
@@ -237,6 +241,10 @@ class Proxy:
     # P leg
     async def prefill(self, turn: Turn) -> None:
         req, stats = turn.req, turn.stats
+        if self.warmer is not None:  # P's lease starts now: D must be able to read in time
+            waited = await self.warmer.ready()
+            if waited:
+                stats.warmup_wait_ms = round(waited * 1e3, 3)
         params = replay_params(turn.entry.params) if turn.entry else miss_params()
         replaying = turn.entry is not None
         released = False  # P is sent D's params to read nothing (verify.release_params)
@@ -350,6 +358,7 @@ class Proxy:
 
     def _prefilled(self, turn: Turn, p: Backend, answer: dict, replayed: bool) -> None:
         stats = turn.stats
+        turn.p = p
         stats.prefill, stats.prefill_source = worker_stats(answer)
         stats.prefill_done_ms = round((perf() - turn.arrival) * 1e3, 3)
         params = answer.get("kv_transfer_params")
@@ -374,7 +383,7 @@ class Proxy:
         tried: set[Backend] = set()
         preferred = turn.entry.decode_url if turn.entry else None
         for _ in range(len(self.pool.decode)):
-            d, _pref = self.pool.choose_decode(preferred, tried)
+            d, _pref = self.pool.choose_decode(preferred, tried, turn.p)
             if d is None:
                 return
             tried.add(d)

@@ -54,6 +54,10 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                    help="hand a vLLM prefill worker (which does not compare tokens) D's KV only "
                         "for a verified common prefix of at least this many tokens (default 64, "
                         "vLLM's own default; keep it at or above the workers' setting)")
+    p.add_argument("--warmup-timeout", type=float, default=60.0, metavar="S",
+                   help="open each vLLM prefill<->decode pair's NIXL channel with one tiny "
+                        "exchange before the pair takes turns, so no first turn outlives P's "
+                        "KV lease; a turn waits at most this long for it (0: no warm-up)")
     p.add_argument("--rewrite-remote-host", action=argparse.BooleanOptionalAction, default=True,
                    help="replace an empty/loopback remote_host in kv_transfer_params by the "
                         "worker's URL host (only when that host is not loopback)")
@@ -115,6 +119,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         max_conversations=args.max_conversations, health_interval_s=args.health_interval,
         health_timeout_s=args.health_timeout, affinity_slack=args.affinity_slack,
         kv_recompute_threshold=args.kv_recompute_threshold,
+        warmup_timeout_s=args.warmup_timeout,
         rewrite_remote_host=args.rewrite_remote_host, upstream_http=args.upstream_http,
         request_timeout_s=args.request_timeout, connect_timeout_s=args.connect_timeout,
         max_request_bytes=args.max_request_bytes,
