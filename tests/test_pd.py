@@ -248,7 +248,7 @@ def test_bfloat16_p_to_d_equals_one_worker(tiny_model_dir, tmp_path):
     P's first token (computed by the same one-pass prefill as the single engine's), so every
     later step runs the same kernels on the same numbers. (A D that recomputes the last prompt
     token instead, as with use_prefill_first_token false, may differ in the last bits; the
-    README's first_token benchmark reports how often that flips a near-tied choice.)"""
+    first_token benchmark (docs/workers.md) reports how often that flips a near-tied choice.)"""
     name = "TcpConnector"  # the transport copies bytes: one connector covers the dtype
     p = start_worker(tiny_model_dir, tmp_path / "p16.log", *ARGS, kv=kv_config(name),
                      dtype="bfloat16")

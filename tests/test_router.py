@@ -259,8 +259,8 @@ def test_client_kv_transfer_params_are_ignored(router, workers, oracle):
 
 
 def test_without_router_keys_conversation_ids_are_shared(router, oracle):
-    """No --api-key: a bearer token authenticates nothing, so it names no namespace either (the
-    README says so); keyed routers namespace by key (test_api_keys.py)."""
+    """No --api-key: a bearer token authenticates nothing, so it names no namespace either
+    (docs/router.md says so); keyed routers namespace by key (test_api_keys.py)."""
     a, b = router.client("tenant-a"), router.client("tenant-b")
     conv_id = conv()
     messages = [{"role": "system", "content": SYSTEM}, user(0)]

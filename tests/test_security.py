@@ -1,5 +1,5 @@
-"""The KV plane's security findings, replayed against real worker processes (README, "Security
-model"; docs/protocol.md, section 6). The attacker is this test process: a separate local process
+"""The KV plane's security findings, replayed against real worker processes (docs/security.md;
+docs/protocol.md, section 6). The attacker is this test process: a separate local process
 that can reach the workers' side channel and transport ports.
 
 (a) no secret: no engine id from the side channel, no block from the transport; a stolen engine

@@ -7,7 +7,7 @@ model and flags, dtype, torch version, threads, load average); `--compare FILE` 
 row's ratio against such a file and flags rows slower by more than `--tolerance` (exit code 1);
 with `--rows FILE2` it compares two files without measuring.
 The committed baseline is docs/results/engine-guard-float32.json. Compare a change in one session
-on one machine, alternating: run it on main, on the change, on main again (see the README).
+on one machine, alternating: run it on main, on the change, on main again (see docs/engine.md).
 
     duplexkv bench engine_guard [--json out.json] [--compare docs/results/engine-guard-float32.json]
 """

@@ -11,7 +11,7 @@ least squares).
 Longer than 300 lines: the cluster, the conversation loop, the RSS sampler and the report of one
 run belong together.
 
-    .venv/bin/duplexkv bench soak --duration 600            # the README's run
+    .venv/bin/duplexkv bench soak --duration 600            # docs/results/soak.md
     .venv/bin/duplexkv bench soak --duration 150 --debug-memory 30 --json out/soak.json
     .venv/bin/duplexkv bench soak --duration 150 --env MALLOC_ARENA_MAX=  # unset a default
 

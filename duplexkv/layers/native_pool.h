@@ -1,7 +1,7 @@
 /* The kernels' own worker threads, which spin briefly between jobs instead of sleeping at once.
  *
  * Why not OpenMP: workers run libgomp with OMP_WAIT_POLICY=PASSIVE (two workers on shared cores
- * must not spin for each other's cores; README, OpenMP waiting), so torch's team falls asleep
+ * must not spin for each other's cores; docs/workers.md, the environment of a worker), so torch's team falls asleep
  * after every parallel region, and a decode step runs ~40 short regions (5 kernels per layer)
  * with a few microseconds of Python between them. Waking a sleeping thread costs 15-115 us here
  * (AMD EPYC VM: an empty 2-thread region took 124 us back to back against 10 us for one thread),

@@ -3,7 +3,7 @@
 The router reads the registry every `--discovery-interval` (1 s: half the workers' default 2 s
 heartbeat) and hands each snapshot to `Membership`. With a discovery secret
 (`DUPLEXKV_DISCOVERY_SECRET`, else `DUPLEXKV_KV_SECRET`) it accepts only records signed with it;
-without one, whoever can write to the registry can add a worker (the README's security model).
+without one, whoever can write to the registry can add a worker (docs/security.md).
 A registry that is down at start does not stop the router: it serves its static workers (if
 any) and keeps polling.
 """
