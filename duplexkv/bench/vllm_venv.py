@@ -46,7 +46,10 @@ def venv_python(venv: Path) -> Path:
 
 
 def _run(py: Path, code: str, *args: str) -> bool:
-    return subprocess.run([str(py), "-c", code, *args], capture_output=True).returncode == 0
+    """`py -c code args` succeeds; run in the venv's own directory, so that a duplexkv source
+    tree in the working directory (sys.path[0] of `-c`) is not taken for an installed one."""
+    return subprocess.run([str(py), "-c", code, *args], capture_output=True,
+                          cwd=py.parent.parent).returncode == 0
 
 
 def setup(venv: Path) -> None:
@@ -128,24 +131,29 @@ class VllmServer:
 
 
 def vllm_command(venv: Path, model_dir: Path, dtype: str, max_model_len: int,
-                 port: int) -> list[str]:
+                 port: int, extra: tuple[str, ...] = ("--no-enable-prefix-caching",),
+                 name: str = "bench") -> list[str]:
     return [str(venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--served-model-name", "bench", "--dtype", dtype,
+            "--model", str(model_dir), "--served-model-name", name, "--dtype", dtype,
             "--enforce-eager", "--max-model-len", str(max_model_len),
             # the whole prompt in one chunk, as our worker's --max-num-batched-tokens below
             "--max-num-batched-tokens", str(max_model_len),
-            "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)]
+            "--host", "127.0.0.1", "--port", str(port), *extra]
 
 
 def start_vllm(venv: Path, model_dir: Path, dtype: str, max_model_len: int, cores: str,
-               kv_cache_gib: int, log_dir: Path, timeout_s: float = 900) -> VllmServer:
-    """Start vLLM's OpenAI server and wait until /v1/models answers (raises with its log)."""
+               kv_cache_gib: int, log_dir: Path, timeout_s: float = 900,
+               extra: tuple[str, ...] = ("--no-enable-prefix-caching",), log_name: str = "vllm",
+               env: dict[str, str] | None = None, name: str = "bench") -> VllmServer:
+    """Start vLLM's OpenAI server and wait until /v1/models answers (raises with its log).
+    `extra`: more arguments (default: prefix caching off); `env`: more environment."""
     port = free_port()
-    log = log_dir / "vllm.log"
+    log = log_dir / f"{log_name}.log"
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores,
-           "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+           "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **(env or {})}
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(vllm_command(venv, model_dir, dtype, max_model_len, port),
+        proc = subprocess.Popen(vllm_command(venv, model_dir, dtype, max_model_len, port, extra,
+                                             name),
                                 stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, start_new_session=True)
     server = VllmServer(proc, f"http://127.0.0.1:{port}", log)
