@@ -9,13 +9,16 @@
 #    ~/.cache/duplexkv/vllm-venv; skipped when they are there already), never into the project's
 #    own venv: vLLM pins its own torch and transformers.
 # 2. A synthetic model with `duplexkv make-model` ($VLLM_INTEROP_PRESET, default tiny).
-# 3. vLLM P (core 0) and D (core 1) with NixlConnector, a single vLLM server for reference, and
-#    `duplexkv router --prefill P --decode D`, each on a free loopback port.
+# 3. vLLM P (core 0) and D (core 1) with NixlConnector and `duplexkv router --prefill P --decode D`,
+#    each on a free loopback port.
 # 4. scripts/vllm_interop.py drives JSON and streamed chats, an edited history, a stripped answer
-#    and two conversations at once, and checks every temperature-0 answer equals the single
-#    server's, P read D's history (bidirectional) on the turns the router verified, and vLLM's
-#    failed/expired transfer counters stay 0. Prints a table and a summary line; exit 1 on any
-#    failure. vLLM's venv gets duplexkv's vLLM plugin (kv_transfer_params on streams).
+#    and two conversations at once and checks that P read D's history (bidirectional) on the turns
+#    the router verified and that vLLM's failed/expired transfer counters stay 0; then P, D and
+#    the router stop, a single vLLM server starts on both cores, and every turn's messages go to
+#    it: each temperature-0 answer must equal the router's. (On 2 cores a third server beside P
+#    and D starved them: vLLM's D steps its engine every millisecond while it retains a turn, and
+#    NIXL's progress thread polls without sleeping.) Prints a table and a summary line; exit 1 on
+#    any failure. vLLM's venv gets duplexkv's vLLM plugin (kv_transfer_params on streams).
 # Every process started here is stopped on exit, failure or Ctrl-C included.
 #
 # Environment: DUPLEXKV_PYTHON (a Python with duplexkv and openai; default the repo's .venv),
@@ -93,7 +96,7 @@ wait_ready() {  # wait_ready NAME URL PID: /health answers 200, or fail if the p
   log "$name ready at $url"
 }
 
-# 3. vLLM P, D and the single reference server; then the router
+# 3. vLLM P and D, then the router (the single reference server comes after them, alone)
 # bidirectional KV transfer on both (D keeps each turn's KV, P reads it back), as published: P
 # without its own prefix cache, so every reuse is a D->P read; threshold 16 (vLLM's default 64)
 KV='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu","kv_connector_extra_config":{"bidirectional_kv_xfer":true,"kv_recompute_threshold":16}}'
@@ -111,21 +114,29 @@ P_PID=${PIDS[-1]}
 start vllm-decode env VLLM_CPU_OMP_THREADS_BIND=1 VLLM_NIXL_SIDE_CHANNEL_PORT="$D_SIDE" \
   "${VLLM_SERVE[@]}" --port "$D_PORT" "${VLLM_ARGS[@]}" --kv-transfer-config "$KV"
 D_PID=${PIDS[-1]}
-start vllm-single env VLLM_CPU_OMP_THREADS_BIND=1 \
-  "${VLLM_SERVE[@]}" --port "$S_PORT" "${VLLM_ARGS[@]}"
-S_PID=${PIDS[-1]}
-log "starting vLLM prefill :$P_PORT, decode :$D_PORT (NIXL side channels :$P_SIDE, :$D_SIDE), single :$S_PORT"
+log "starting vLLM prefill :$P_PORT, decode :$D_PORT (NIXL side channels :$P_SIDE, :$D_SIDE)"
 wait_ready vllm-prefill "http://127.0.0.1:$P_PORT" "$P_PID"
 wait_ready vllm-decode "http://127.0.0.1:$D_PORT" "$D_PID"
-wait_ready vllm-single "http://127.0.0.1:$S_PORT" "$S_PID"
 start router "$DUPLEXKV_PYTHON" -m duplexkv.cli router --host 127.0.0.1 --port "$R_PORT" \
   --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT"
-wait_ready router "http://127.0.0.1:$R_PORT" "${PIDS[-1]}"
+R_PID=${PIDS[-1]}
+wait_ready router "http://127.0.0.1:$R_PORT" "$R_PID"
 
-# 4. the conversation and the checks
-log "driving the conversation"
+# 4. the conversations through the router, then the same messages to the single server alone
+log "driving the conversations"
 "$DUPLEXKV_PYTHON" "$HERE/vllm_interop.py" --router "http://127.0.0.1:$R_PORT" \
-  --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" --single "http://127.0.0.1:$S_PORT" --model "$PRESET" \
+  --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" --model "$PRESET" \
+  --record "$WORK/turns.json" \
   --turns "${VLLM_INTEROP_TURNS:-4}" --max-tokens "${VLLM_INTEROP_MAX_TOKENS:-48}"
-curl -sf "http://127.0.0.1:$R_PORT/metrics" | grep -E '^duplexkv_router_(requests|conversations)_total' || true
+curl -sf "http://127.0.0.1:$R_PORT/metrics" | grep -E '^duplexkv_router_(requests|conversations|warmups)_total' || true
+for pid in "$R_PID" "$P_PID" "$D_PID"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+for pid in "$R_PID" "$P_PID" "$D_PID"; do
+  for _ in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+done
+start vllm-single env VLLM_CPU_OMP_THREADS_BIND=0-1 \
+  "${VLLM_SERVE[@]}" --port "$S_PORT" "${VLLM_ARGS[@]}"
+S_PID=${PIDS[-1]}
+wait_ready vllm-single "http://127.0.0.1:$S_PORT" "$S_PID"
+"$DUPLEXKV_PYTHON" "$HERE/vllm_interop.py" --single "http://127.0.0.1:$S_PORT" --model "$PRESET" \
+  --record "$WORK/turns.json" --max-tokens "${VLLM_INTEROP_MAX_TOKENS:-48}"
 log "passed: preset $PRESET, dtype float32 (vLLM pins: duplexkv/bench/vllm_venv.py)"

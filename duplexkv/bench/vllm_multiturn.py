@@ -7,9 +7,11 @@
 One vLLM prefill worker P (core 0, no prefix cache, as in the published evaluation) and one vLLM
 decode worker D (core 1), NixlConnector with `bidirectional_kv_xfer` on both, float32 so that
 greedy answers compare exactly; duplexkv's vLLM plugin puts D's `kv_transfer_params` on its
-streams (`--no-plugin`: stock vLLM 0.32, whose streams carry none). A single vLLM server (core 1,
-never timed) answers every turn's messages as the oracle. The front-ends, one after the other on
-every turn (the order rotating per turn), on the same P and D:
+streams (`--no-plugin`: stock vLLM 0.32, whose streams carry none). After the run P, D and the
+front-ends stop and a single vLLM server (both cores) answers every recorded turn's messages as
+the oracle (beside P and D it was starved: vLLM's D steps its engine every millisecond while it
+retains a turn). The front-ends, one after the other on every turn (the order rotating per
+turn), on the same P and D:
 
     off      our router, no conversation id: one-way P/D, P computes every whole prompt
     proxy    vLLM's own examples/disaggregated/disaggregated_serving/disagg_proxy_multiturn.py,
@@ -67,6 +69,8 @@ class Row:
     equal: bool
     verify: str = ""  # our router's check (on): hit, partial, mismatch/...
     error: str | None = None
+    text: str = ""
+    messages: list | None = None  # what was sent (for the oracle, after the run)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -120,7 +124,6 @@ class Bench:
                         {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(vllm_venv.free_port())}),
             "decode": ("1", ("--kv-transfer-config", kv),
                        {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(vllm_venv.free_port())}),
-            "single": ("1", (), {}),
         }
         with ThreadPoolExecutor(len(specs)) as ex:
             futures = {n: ex.submit(vllm_venv.start_vllm, a.venv, self.model_dir, "float32",
@@ -168,13 +171,26 @@ class Bench:
         for stop in reversed(self.stops):
             stop()
 
-    async def oracle(self, client: httpx.AsyncClient, messages: list, n: int) -> tuple[str, int]:
-        r = await client.post(self.urls["single"] + "/v1/chat/completions", json={
-            "model": self.name, "messages": messages, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True})
-        r.raise_for_status()
-        body = r.json()
-        return body["choices"][0]["message"]["content"] or "", body["usage"]["prompt_tokens"]
+    def oracle(self, rows: list[Row], answer_tokens: dict) -> None:
+        """P, D and the front-ends are stopped: a single vLLM server on both cores answers
+        every recorded turn; fills each row's prompt length and `equal`."""
+        a = self.args
+        server = vllm_venv.start_vllm(a.venv, self.model_dir, "float32", a.max_context + 256,
+                                      "0-1", 2, self.logs, extra=(), log_name="vllm-single",
+                                      name=self.name)
+        try:
+            with httpx.Client(timeout=1800, trust_env=False) as client:
+                for r in rows:
+                    resp = client.post(server.url + "/v1/chat/completions", json={
+                        "model": self.name, "messages": r.messages, "temperature": 0,
+                        "max_tokens": answer_tokens[(r.conversation, r.turn)],
+                        "ignore_eos": True})
+                    resp.raise_for_status()
+                    body = resp.json()
+                    r.prompt_tokens = body["usage"]["prompt_tokens"]
+                    r.equal = r.text == (body["choices"][0]["message"]["content"] or "")
+        finally:
+            server.stop()
 
     async def run(self) -> list[Row]:
         a = self.args
@@ -199,8 +215,10 @@ class Bench:
                                               turn.answer_tokens)
                         rows.append(row)
                         print(f"{m:<6} c{i} turn {k + 1}: {row.prompt_tokens} tokens, TTFT "
-                              f"{row.ttft_ms or 0:.0f} ms, P read {row.reads:g}, "
-                              f"equal {row.equal} {row.verify} {row.error or ''}", flush=True)
+                              f"{row.ttft_ms or 0:.0f} ms, P read {row.reads:g} {row.verify} "
+                              f"{row.error or ''}", flush=True)
+        self.answer_tokens = {(f"c{i}", k + 1): t.answer_tokens
+                              for i, c in enumerate(shapes) for k, t in enumerate(c.turns)}
         return rows
 
     async def turn(self, client: httpx.AsyncClient, mode: str, conv: str, k: int,
@@ -214,11 +232,11 @@ class Bench:
         except (RequestFailed, httpx.HTTPError, ValueError) as e:
             text, r.error = "", f"{type(e).__name__}: {e}"
         reads = p_reads(self.urls["prefill"]) - before
-        want, prompt_tokens = await self.oracle(client, messages, n)
-        messages.append({"role": "assistant", "content": text or want})
+        sent = [dict(m) for m in messages]
+        messages.append({"role": "assistant", "content": text})
         verify = r.verify if mode == "on" else ""
-        return Row(mode, conv, k + 1, prompt_tokens, r.ttft_ms, reads, text == want, verify,
-                   r.error)
+        return Row(mode, conv, k + 1, r.context_tokens, r.ttft_ms, reads, False, verify,
+                   r.error, text, sent)
 
 
 def bucket(tokens: int) -> int:
@@ -265,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = asyncio.run(bench.run())
     finally:
         bench.stop()
+    bench.oracle(rows, bench.answer_tokens)
     print(f"\nload average at start {load}, end {loadavg()}\n")
     print(table(rows, args.modes))
     if args.json:
