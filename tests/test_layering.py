@@ -1,6 +1,6 @@
 """The package's layers only point down (docs/architecture.md), parsed from the source with `ast`:
 
-    paths, flags, vllm_plugin < layers, http, discovery < model < engine < kv < server < router, launch < up, hosts
+    paths, flags, vllm_plugin, version, wire < layers, http, discovery < model < engine < kv < server < router, launch < up, hosts
     < bench, config_file < cli
 
 No import circles between modules, the router never reaches torch or the engine (not even
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "duplexkv"
-RANK = {"paths": -1, "flags": -1, "vllm_plugin": -1, "layers": 0, "http": 0, "discovery": 0, "model": 1, "engine": 2, "kv": 3,
+RANK = {"paths": -1, "flags": -1, "vllm_plugin": -1, "version": -1, "wire": -1, "layers": 0, "http": 0, "discovery": 0, "model": 1, "engine": 2, "kv": 3,
         "server": 4, "router": 5, "launch": 5, "up": 6, "hosts": 6, "bench": 7, "config_file": 7,
         "cli": 8}
 MAX_LINES = 300

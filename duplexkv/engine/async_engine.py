@@ -14,10 +14,10 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from duplexkv.engine.kv_transfer import KVTransferParams
+from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine, RequestOutput
 from duplexkv.engine.memory import HeapTrimmer
-from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

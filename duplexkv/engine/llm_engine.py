@@ -31,7 +31,7 @@ from duplexkv.engine.kv_transfer import (
 from duplexkv.engine.model_runner import ModelRunner
 from duplexkv.engine.parallel import Choices, choice_params
 from duplexkv.engine.sampler import make_generator, process_row, sample_row
-from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.wire.sampling import SamplingParams
 from duplexkv.engine.scheduler import Scheduler
 from duplexkv.engine.sequence import KVStats, Sequence
 from duplexkv.model.chat_template import load_chat_template

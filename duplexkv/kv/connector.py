@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
-from duplexkv.engine.kv_transfer import ConnectorEvent, KVConnectorBase, KVTransferParams
+from duplexkv.engine.kv_transfer import ConnectorEvent, KVConnectorBase
+from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine
 from duplexkv.engine.sequence import Sequence
 from duplexkv.kv import addresses

@@ -23,7 +23,7 @@ import logging
 import secrets
 
 from duplexkv.engine.block_manager import BlockManager
-from duplexkv.engine.kv_transfer import KVTransferParams
+from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.engine.sequence import Sequence
 from duplexkv.http import retention_sync as rs
 from duplexkv.kv import messages as m

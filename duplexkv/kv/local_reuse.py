@@ -19,7 +19,7 @@ Every outcome is in `kv_stats.decode_local` and counted (`duplexkv_kv_decode_loc
 from __future__ import annotations
 
 from duplexkv.engine.block_manager import BlockManager, hash_token_blocks
-from duplexkv.engine.kv_transfer import KVTransferParams
+from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.engine.scheduler import Scheduler
 from duplexkv.engine.sequence import Sequence
 from duplexkv.kv.auth import SIGNATURE_KEY, KVAuth, signed_fields

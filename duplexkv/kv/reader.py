@@ -30,7 +30,6 @@ from duplexkv.engine.block_manager import hash_token_blocks
 from duplexkv.engine.kv_transfer import (
     ConnectorEvent,
     KVLanded,
-    KVTransferParams,
     LoadFailed,
     PullDeclined,
 )
@@ -45,6 +44,7 @@ from duplexkv.kv.link_model import LinkModel
 from duplexkv.kv.peer_gate import PeerGate
 from duplexkv.kv.pull_decision import COST_MODEL, decide
 from duplexkv.kv.transport import KVTransport, XferHandle, XferState
+from duplexkv.wire.kv_params import KVTransferParams
 
 log = logging.getLogger(__name__)
 # declines that mean the KV could not be loaded (kv_load_failure_policy applies to these)

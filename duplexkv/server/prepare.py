@@ -10,9 +10,9 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from duplexkv.engine.kv_transfer import KVParamsError, KVTransferParams
+from duplexkv.wire.kv_params import KVParamsError, KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine, RequestRejected
-from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.wire.sampling import SamplingParams
 from duplexkv.http.errors import bad_request, model_not_found
 from duplexkv.http.openai import GenerateRequest, Kind, parse_request
 from duplexkv.http.request_id import clean_request_id
