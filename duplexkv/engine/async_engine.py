@@ -115,6 +115,10 @@ class AsyncEngine:
     def call_soon(self, fn: Callable[[], object]) -> None:
         self._cmds.put(_Call(fn, None, None))
 
+    def num_streams(self) -> int:
+        """Requests whose outputs are being delivered (read without a lock, for /debug/memory)."""
+        return len(self._streams)
+
     def abort(self, request_id: str) -> None:
         self._cmds.put(_Abort(request_id))
 

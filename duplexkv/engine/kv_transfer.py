@@ -17,17 +17,25 @@ points and nowhere else (docs/architecture.md, "The connector contract"):
     integrity     extra_refs() -> {block id: references the connector holds}
 
 `NoKVConnector` is the single-node engine: it wants nothing and holds nothing.
+
+`EngineHost` is the other direction: everything a connector may ask of the engine (the KV pool
+and its layout, block references, room for remote KV, a decode-local prefix, the cost model, the
+sampler's bans). A connector is built on an `EngineHost`, never on the engine's internals.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from duplexkv.wire.kv_params import KVTransferParams
 
 if TYPE_CHECKING:
+    import torch
+
+    from duplexkv.engine.cost_model import PrefillCostModel
     from duplexkv.engine.sequence import Sequence
 
 # --- the connector contract ----------------------------------------------------------------
@@ -100,6 +108,56 @@ class KVConnectorBase(ABC):
     @abstractmethod
     def extra_refs(self) -> dict[int, int]:
         """Block id -> references the connector holds (for the pool's integrity check)."""
+
+    def structures(self) -> dict:
+        """Sizes of the connector's own maps and queues, for /debug/memory (none by default)."""
+        return {}
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The engine's KV pool as peers must match it."""
+    fingerprint: bytes  # model files + dtype + block size: the seed of the block hash chain
+    block_size: int
+    num_blocks: int
+    block_bytes: int  # one block, all layers
+    vocab_size: int
+
+
+class EngineHost(Protocol):
+    """What a KV connector may ask of the engine it serves, on the engine thread (its `poll`,
+    its hooks), or before the engine thread starts (building the connector)."""
+
+    def kv_layout(self) -> KVLayout:
+        """The pool's layout and the model's fingerprint."""
+
+    def kv_pool(self) -> torch.Tensor:
+        """The block pool `[num_blocks, layers, 2, block_size, kv_heads, head_dim]`, for a
+        transport to register (READs land in it; a holder's blocks are read from it)."""
+
+    def blocks_needed(self, num_tokens: int) -> int: ...
+
+    def num_free_blocks(self) -> int: ...
+
+    def pin(self, block_ids: Seq[int]) -> None:
+        """Hold a reference on each block (kept for another worker, or a READ landing)."""
+
+    def unpin(self, block_ids: Seq[int]) -> None: ...
+
+    def is_private_block(self, block_id: int) -> bool:
+        """Held by exactly one reference and in no prefix cache: its owner may write it."""
+
+    def reserve_for_remote_kv(self, seq: Sequence, num_tokens: int) -> list[int] | None:
+        """Blocks for a parked `seq`'s first `num_tokens` tokens: its block table, or None."""
+
+    def adopt_prefix(self, seq: Sequence, block_ids: list[int], num_tokens: int) -> None:
+        """Start a fresh `seq` from `block_ids` holding its first `num_tokens` tokens."""
+
+    def prefill_cost_model(self) -> PrefillCostModel:
+        """The engine's prefill cost model (pull or recompute?)."""
+
+    def banned_tokens(self, seq: Sequence) -> list[int]:
+        """Tokens the sampler may not pick next for `seq`."""
 
 
 class NoKVConnector(KVConnectorBase):
