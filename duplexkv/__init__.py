@@ -1,7 +1,9 @@
 """duplexkv: prefill/decode disaggregated LLM serving with bidirectional KV-cache transfer."""
 
-__all__ = ["LLM", "SamplingParams"]
-__version__ = "0.1.0"
+from duplexkv.version import __version__
+from duplexkv.wire.sampling import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -9,7 +11,4 @@ def __getattr__(name: str):
     if name == "LLM":
         from duplexkv.engine.llm import LLM
         return LLM
-    if name == "SamplingParams":
-        from duplexkv.engine.sampling_params import SamplingParams
-        return SamplingParams
     raise AttributeError(name)

@@ -11,7 +11,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from duplexkv import __version__, config_file
+from duplexkv import config_file
+from duplexkv.version import __version__
 from duplexkv.bench.scripts import SCRIPTS as BENCH_SCRIPTS
 from duplexkv.bench.scripts import run_script as run_bench_script
 from duplexkv.model.config import ModelLoadError

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from duplexkv.engine.block_manager import BlockManager, hash_token_blocks
-from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.wire.sampling import SamplingParams
 from duplexkv.engine.scheduler import Scheduler
 from duplexkv.engine.sequence import Sequence
 

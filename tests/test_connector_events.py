@@ -8,7 +8,7 @@ import time
 
 from duplexkv import SamplingParams
 from duplexkv.engine.config import EngineConfig
-from duplexkv.engine.kv_transfer import KVTransferParams
+from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine
 from duplexkv.kv.config import KVTransferConfig
 from duplexkv.kv.connector import KVConnector

@@ -1,6 +1,6 @@
 """The package's layers only point down (docs/architecture.md), parsed from the source with `ast`:
 
-    paths, flags, vllm_plugin < layers, http, discovery < model < engine < kv < server < router, launch < up, hosts
+    paths, flags, vllm_plugin, version, wire < layers, http, discovery < model < engine < kv < server < router, launch < up, hosts
     < bench, config_file < cli
 
 No import circles between modules, the router never reaches torch or the engine (not even
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "duplexkv"
-RANK = {"paths": -1, "flags": -1, "vllm_plugin": -1, "layers": 0, "http": 0, "discovery": 0, "model": 1, "engine": 2, "kv": 3,
+RANK = {"paths": -1, "flags": -1, "vllm_plugin": -1, "version": -1, "wire": -1, "layers": 0, "http": 0, "discovery": 0, "model": 1, "engine": 2, "kv": 3,
         "server": 4, "router": 5, "launch": 5, "up": 6, "hosts": 6, "bench": 7, "config_file": 7,
         "cli": 8}
 MAX_LINES = 300
@@ -142,3 +142,100 @@ def test_long_modules_say_why():
             long.append(f"{mod}: {n} lines")
     assert not long, (f"modules over {MAX_LINES} lines without '{WHY_LONG} ...' in their "
                       "docstring:\n" + "\n".join(long))
+
+
+# --- no reaching into another package's objects ----------------------------------------------
+def _defined_names(tree: ast.Module) -> set[str]:
+    """Attribute names a module defines: module and class level names (fields, methods,
+    classes) and attributes assigned on self/cls anywhere (a function's locals are not
+    attributes)."""
+    out: set[str] = set()
+
+    def names(target: ast.AST, own_level: bool) -> None:
+        for sub in ast.walk(target):
+            if isinstance(sub, ast.Name) and own_level:
+                out.add(sub.id)
+            elif isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) \
+                    and sub.value.id in ("self", "cls"):
+                out.add(sub.attr)
+
+    def visit(body: list[ast.stmt], own_level: bool) -> None:
+        for node in body:
+            for child in ast.walk(node):
+                if isinstance(child, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                    targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+                    for t in targets:
+                        names(t, own_level and child in body)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
+                    and own_level:
+                out.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                visit(node.body, True)
+
+    visit(tree.body, True)
+    return out
+
+
+TREES = {m: ast.parse(p.read_text()) for m, p in MODULES.items()}
+DEFINED_BY_GROUP: dict[str, set[str]] = {}
+for _m, _t in TREES.items():
+    DEFINED_BY_GROUP.setdefault(group(_m) or "", set()).update(_defined_names(_t))
+
+
+def reachable_groups(g: str) -> set[str]:
+    """Packages whose objects package `g` can hold: those of every module its modules import,
+    transitively (lazy and TYPE_CHECKING imports included). Per package, not per module: an
+    object travels inside its package (the server's app holds the connector that its KV hook
+    built)."""
+    todo = [m for m in MODULES if (group(m) or "") == g]
+    seen = set(todo)
+    while todo:
+        for dep in imports(todo.pop()) - {"torch"}:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return {group(d) or "" for d in seen}
+
+
+REACHABLE = {g: reachable_groups(g) for g in DEFINED_BY_GROUP}
+
+
+def foreign_owner(mod: str, name: str) -> str | None:
+    """The other package of ours that defines attribute `name` and whose objects `mod`'s
+    package can reach, when its own package defines no such name (else None; "" is the
+    package root)."""
+    g = group(mod) or ""
+    if name in DEFINED_BY_GROUP.get(g, set()):
+        return None
+    owners = sorted(o for o in REACHABLE[g] - {g} if name in DEFINED_BY_GROUP.get(o, ()))
+    return owners[0] if owners else None
+
+
+def cross_package_reaches(mod: str) -> list[str]:
+    """`x._private` (x not self/cls, not a dunder) and `getattr/hasattr(x, "literal")` naming
+    an attribute that only another of our packages defines."""
+    out = []
+    for node in ast.walk(TREES[mod]):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not (node.attr.startswith("__") and node.attr.endswith("__")) \
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            owner = foreign_owner(mod, node.attr)
+            if owner is not None:
+                out.append(f"{mod}:{node.lineno}: {ast.unparse(node)} (private to {owner})")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 \
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            owner = foreign_owner(mod, node.args[1].value)
+            if owner is not None:
+                out.append(f"{mod}:{node.lineno}: {ast.unparse(node)} (an attribute of {owner or 'the package root'})")
+    return out
+
+
+def test_no_private_or_getattr_access_across_packages():
+    """A package asks another's objects through their public methods: it never reads their
+    private attributes (`aeng._streams`) nor probes them by name (`getattr(conn, "holder")`).
+    A name counts as another package's when only that package (among the ones this module
+    can reach through its imports) defines it."""
+    bad = [line for mod in MODULES if group(mod) is not None
+           for line in cross_package_reaches(mod)]
+    assert not bad, "reaches into another package's objects:\n" + "\n".join(bad)

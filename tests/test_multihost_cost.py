@@ -15,6 +15,7 @@ from workers import wait_for
 from duplexkv.engine.cost_model import Coefficients
 from duplexkv.hosts.netns import Network, can_build
 from duplexkv.kv.link_model import LinkEstimate
+from duplexkv.wire.kv_params import miss_params, replay_params
 
 ok, why = can_build()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(not ok, reason=why)
 RATE, RATE_GBPS = "8mbit", 0.008
 HISTORY = 1000  # tiny model: 512 B of KV per token, ~0.5 MiB per history (~0.5 s at 8 Mbit/s)
 ARGS = ("--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "2048")
-MISS = {"do_remote_decode": True, "do_remote_prefill": False}
+MISS = miss_params()
 MAX_AGE_S = 6.0  # P model's kv_link_sample_max_age_s: long enough for the slow-link turns
 
 
@@ -61,7 +62,7 @@ def second_turn(client, d: str, p_first: str, p: str, oracle, seed: int) -> dict
     nxt = prompt + dj["choices"][0]["token_ids"] + list(range(40, 72))
     body2 = {**body, "prompt": nxt}
     pj2 = _post(client, p, {**body2, "max_tokens": 1,
-                            "kv_transfer_params": {**dj["kv_transfer_params"], **MISS}})
+                            "kv_transfer_params": replay_params(dj["kv_transfer_params"])})
     dj2 = _post(client, d, {**body2, "kv_transfer_params": pj2["kv_transfer_params"]})
     assert dj2["choices"][0]["token_ids"] == oracle(nxt, 8).token_ids
     return pj2["kv_stats"]

@@ -17,14 +17,14 @@ import httpx
 import pytest
 
 from duplexkv.launch import worker_env
+from duplexkv.wire.kv_params import miss_params
 
 DUPLEXKV = str(Path(sys.executable).parent / "duplexkv")
 NO_KEYS = {"DUPLEXKV_API_KEY": None, "DUPLEXKV_WORKER_API_KEY": None}  # None: unset (worker_env)
 # every test worker shares this cluster secret, so cross-worker pulls take the signed,
 # authenticated path (docs/protocol.md, section 6); `secret=None` starts a loopback-only worker
 TEST_SECRET = "duplexkv-test-cluster-secret-0123456789"
-MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+MISS = miss_params()  # the prefill leg's params with nothing to pull (wire/kv_params.py)
 
 
 def skip_or_fail(reason: str) -> None:

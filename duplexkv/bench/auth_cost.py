@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from duplexkv.engine.kv_transfer import KVTransferParams
+from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.kv import messages as m
 from duplexkv.kv import side_channel
 from duplexkv.kv.auth import KVAuth, SIGNATURE_KEY

@@ -37,8 +37,9 @@ import httpx
 from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.flags import Accumulate
 from duplexkv.launch import bidirectional_kv, spawn, wait_ready, worker_args
+from duplexkv.wire.kv_params import miss_params, replay_params
 
-MISS = {"do_remote_decode": True, "do_remote_prefill": False}
+MISS = miss_params()
 VOCAB = 4000  # ids valid for every preset
 FIXED = 64  # the fixed rule compared against
 
@@ -65,7 +66,7 @@ def next_turn(client: httpx.Client, p: str, d: str, d_params: dict, prompt: list
     """The next turn's two legs: P (pull or recompute the history, compute the new tokens, its
     first token) and D (READ what P computed, start from P's token). TTFT = the two legs."""
     dt, pj = _post(client, p, {"prompt": prompt, "max_tokens": 1, "temperature": 0,
-                               "kv_transfer_params": {**d_params, **MISS}})
+                               "kv_transfer_params": replay_params(d_params)})
     d_dt, _ = _post(client, d, {"prompt": prompt, "max_tokens": 1, "temperature": 0,
                                 "kv_transfer_params": pj["kv_transfer_params"]})
     s = pj["kv_stats"]

@@ -32,8 +32,9 @@ import httpx
 from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.flags import Accumulate
 from duplexkv.launch import bidirectional_kv, spawn, wait_ready, worker_args
+from duplexkv.wire.kv_params import miss_params, replay_params
 
-MISS = {"do_remote_decode": True, "do_remote_prefill": False}
+MISS = miss_params()
 NEW_TURN = 256  # default of --new-tokens
 
 
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
                 history = base + dj["choices"][0]["token_ids"]
                 new_turn = [(31 * i + rep) % (vocab - 10) + 5 for i in range(args.new_tokens)]
                 prompt = history + new_turn
-                pulls = {"plain": lambda: timed_pull(client, p, prompt, {**d_params, **MISS})}
+                pulls = {"plain": lambda: timed_pull(client, p, prompt, replay_params(d_params))}
                 if args.secret:
                     ps, ds = procs[3].url, procs[4].url
                     sd_params, sdj = d_turn(client, ps, ds, base, 65)
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                     # the secret D's own history, which has the same length
                     sprompt = base + sdj["choices"][0]["token_ids"] + new_turn
                     pulls["secret"] = lambda: timed_pull(client, ps, sprompt,
-                                                         {**sd_params, **MISS})
+                                                         replay_params(sd_params))
                 # the pulls run back to back, in alternating order, so that both see the same
                 # machine (the P prefills of the D turns above take the longest)
                 got = {k: pulls[k]() for k in (sorted(pulls, reverse=bool(rep % 2)))}

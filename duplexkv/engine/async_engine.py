@@ -14,10 +14,10 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from duplexkv.engine.kv_transfer import KVTransferParams
+from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine, RequestOutput
 from duplexkv.engine.memory import HeapTrimmer
-from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,10 @@ class AsyncEngine:
 
     def call_soon(self, fn: Callable[[], object]) -> None:
         self._cmds.put(_Call(fn, None, None))
+
+    def num_streams(self) -> int:
+        """Requests whose outputs are being delivered (read without a lock, for /debug/memory)."""
+        return len(self._streams)
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(_Abort(request_id))

@@ -1,9 +1,7 @@
-"""The engine's side of KV transfer: the typed `kv_transfer_params`, and the connector contract.
+"""The engine's side of KV transfer: the connector contract, and the engine as a connector sees it.
 
-`KVTransferParams` is vLLM's wire dict, typed at the HTTP edge and carried as this type down to
-the connector. A holder (P after a prefill leg, D after a finished turn) describes its retained
-blocks with one; a reader (D on the decode leg, P on the next turn) pulls from them. Field names
-and shapes are vLLM's (docs/protocol.md) so any vLLM-compatible router carries them opaquely.
+`KVTransferParams` (the typed `kv_transfer_params`) is part of the wire vocabulary
+(duplexkv/wire/kv_params.py); the engine carries it from the HTTP edge down to the connector.
 
 `KVConnectorBase` is everything the engine knows about KV transfer; the engine calls it at these
 points and nowhere else (docs/architecture.md, "The connector contract"):
@@ -19,137 +17,26 @@ points and nowhere else (docs/architecture.md, "The connector contract"):
     integrity     extra_refs() -> {block id: references the connector holds}
 
 `NoKVConnector` is the single-node engine: it wants nothing and holds nothing.
+
+`EngineHost` is the other direction: everything a connector may ask of the engine (the KV pool
+and its layout, block references, room for remote KV, a decode-local prefix, the cost model, the
+sampler's bans). A connector is built on an `EngineHost`, never on the engine's internals.
 """
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from duplexkv.wire.kv_params import KVTransferParams
 
 if TYPE_CHECKING:
+    import torch
+
+    from duplexkv.engine.cost_model import PrefillCostModel
     from duplexkv.engine.sequence import Sequence
-
-MAX_BLOCK_IDS = 1 << 20
-MAX_NAME_CHARS = 256
-
-
-class KVParamsError(ValueError):
-    pass
-
-
-def _finite(v: float | None) -> float | None:
-    if v is not None and not math.isfinite(v):
-        raise KVParamsError("kv_transfer_params.remote_blocks_expiry_time must be finite")
-    return v
-
-
-@dataclass(frozen=True, slots=True)
-class KVTransferParams:
-    do_remote_decode: bool = False
-    do_remote_prefill: bool = False
-    remote_block_ids: tuple[int, ...] = ()
-    remote_engine_id: str | None = None
-    remote_request_id: str | None = None
-    remote_host: str | None = None
-    remote_port: int | None = None
-    remote_num_tokens: int = 0
-    remote_blocks_expiry_time: float | None = None
-    tp_size: int = 1
-    # duplexkv's extension: the holder's greedy first token after these tokens (P's answer to
-    # its prefill leg), so a greedy reader can emit it instead of recomputing the last prompt
-    # token; absent from vLLM's dicts, ignored by vLLM readers
-    first_token_id: int | None = None
-    extra: dict = field(default_factory=dict)  # unknown keys, passed through untouched
-
-    @property
-    def has_remote_blocks(self) -> bool:
-        """Enough to pull from: blocks, a holder id, request id and side-channel address."""
-        return bool(self.remote_block_ids and self.remote_engine_id and self.remote_request_id
-                    and self.remote_host and self.remote_port and self.remote_num_tokens > 0)
-
-    @classmethod
-    def from_dict(cls, d: object) -> "KVTransferParams":
-        if d is None:
-            return cls()
-        if not isinstance(d, dict):
-            raise KVParamsError("kv_transfer_params must be an object")
-
-        def get(name, types, default=None):
-            types = types if isinstance(types, tuple) else (types,)
-            v = d.get(name, default)
-            if v is not None and (not isinstance(v, types)
-                                  or (isinstance(v, bool) and bool not in types)):
-                raise KVParamsError(f"kv_transfer_params.{name} has the wrong type")
-            if isinstance(v, str) and len(v) > MAX_NAME_CHARS:
-                raise KVParamsError(f"kv_transfer_params.{name} is too long")
-            return v
-
-        def count(name: str, default: int) -> int:
-            v = get(name, int, default)
-            v = default if v is None else v
-            if not 0 <= v < 1 << 31:
-                raise KVParamsError(f"kv_transfer_params.{name} is out of range")
-            return v
-
-        blocks = d.get("remote_block_ids") or []
-        if not isinstance(blocks, list):
-            raise KVParamsError("kv_transfer_params.remote_block_ids must be a list")
-        if blocks and isinstance(blocks[0], list):  # one list per KV-cache group; we have one
-            if len(blocks) != 1:
-                raise KVParamsError("kv_transfer_params.remote_block_ids: one group expected")
-            blocks = blocks[0]
-        if len(blocks) > MAX_BLOCK_IDS or not all(
-                isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 1 << 31
-                for b in blocks):
-            raise KVParamsError("kv_transfer_params.remote_block_ids must hold block ids")
-        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
-        port = get("remote_port", (int, str))
-        try:
-            port = int(port) if port is not None else None
-        except ValueError:
-            raise KVParamsError("kv_transfer_params.remote_port must be a port number") from None
-        if port is not None and not 0 < port < 65536:
-            raise KVParamsError("kv_transfer_params.remote_port must be a port number")
-        first = get("first_token_id", int)
-        if first is not None and not 0 <= first < 1 << 31:
-            raise KVParamsError("kv_transfer_params.first_token_id is out of range")
-        return cls(
-            do_remote_decode=bool(get("do_remote_decode", bool, False)),
-            do_remote_prefill=bool(get("do_remote_prefill", bool, False)),
-            remote_block_ids=tuple(blocks),
-            remote_engine_id=get("remote_engine_id", str),
-            remote_request_id=get("remote_request_id", str),
-            remote_host=get("remote_host", str),
-            remote_port=port,
-            remote_num_tokens=count("remote_num_tokens", 0),
-            remote_blocks_expiry_time=_finite(get("remote_blocks_expiry_time", (int, float))),
-            tp_size=count("tp_size", 1) or 1,
-            first_token_id=first,
-            extra={k: v for k, v in d.items() if k not in known and not k.startswith("_")},
-        )
-
-    def to_dict(self) -> dict:
-        return {
-            **self.extra,
-            "do_remote_decode": self.do_remote_decode,
-            "do_remote_prefill": self.do_remote_prefill,
-            "remote_block_ids": [list(self.remote_block_ids)],
-            "remote_engine_id": self.remote_engine_id,
-            "remote_request_id": self.remote_request_id,
-            "remote_host": self.remote_host,
-            "remote_port": self.remote_port,
-            "remote_num_tokens": self.remote_num_tokens,
-            "remote_blocks_expiry_time": self.remote_blocks_expiry_time,
-            "tp_size": self.tp_size,
-            "dcp_size": 1,
-            "pp_size": 1,
-            "transfer_mode": "pull",
-            **({"first_token_id": self.first_token_id} if self.first_token_id is not None
-               else {}),
-        }
-
 
 # --- the connector contract ----------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -221,6 +108,56 @@ class KVConnectorBase(ABC):
     @abstractmethod
     def extra_refs(self) -> dict[int, int]:
         """Block id -> references the connector holds (for the pool's integrity check)."""
+
+    def structures(self) -> dict:
+        """Sizes of the connector's own maps and queues, for /debug/memory (none by default)."""
+        return {}
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The engine's KV pool as peers must match it."""
+    fingerprint: bytes  # model files + dtype + block size: the seed of the block hash chain
+    block_size: int
+    num_blocks: int
+    block_bytes: int  # one block, all layers
+    vocab_size: int
+
+
+class EngineHost(Protocol):
+    """What a KV connector may ask of the engine it serves, on the engine thread (its `poll`,
+    its hooks), or before the engine thread starts (building the connector)."""
+
+    def kv_layout(self) -> KVLayout:
+        """The pool's layout and the model's fingerprint."""
+
+    def kv_pool(self) -> torch.Tensor:
+        """The block pool `[num_blocks, layers, 2, block_size, kv_heads, head_dim]`, for a
+        transport to register (READs land in it; a holder's blocks are read from it)."""
+
+    def blocks_needed(self, num_tokens: int) -> int: ...
+
+    def num_free_blocks(self) -> int: ...
+
+    def pin(self, block_ids: Seq[int]) -> None:
+        """Hold a reference on each block (kept for another worker, or a READ landing)."""
+
+    def unpin(self, block_ids: Seq[int]) -> None: ...
+
+    def is_private_block(self, block_id: int) -> bool:
+        """Held by exactly one reference and in no prefix cache: its owner may write it."""
+
+    def reserve_for_remote_kv(self, seq: Sequence, num_tokens: int) -> list[int] | None:
+        """Blocks for a parked `seq`'s first `num_tokens` tokens: its block table, or None."""
+
+    def adopt_prefix(self, seq: Sequence, block_ids: list[int], num_tokens: int) -> None:
+        """Start a fresh `seq` from `block_ids` holding its first `num_tokens` tokens."""
+
+    def prefill_cost_model(self) -> PrefillCostModel:
+        """The engine's prefill cost model (pull or recompute?)."""
+
+    def banned_tokens(self, seq: Sequence) -> list[int]:
+        """Tokens the sampler may not pick next for `seq`."""
 
 
 class NoKVConnector(KVConnectorBase):

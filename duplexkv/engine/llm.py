@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from duplexkv.engine.config import EngineConfig
 from duplexkv.engine.llm_engine import LLMEngine, Prompt, RequestOutput
-from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.wire.sampling import SamplingParams
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.wire.sampling import SamplingParams
 from duplexkv.engine.sequence import Sequence
 
 CHOICE_SEP = "#"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.wire.sampling import SamplingParams
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

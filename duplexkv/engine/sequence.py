@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.wire.sampling import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -5,20 +5,22 @@ we cannot honour (`response_format`, guided decoding, ...) is a 400 naming it; u
 logged once per name and ignored, as vLLM does (`request_fields`). A chat's `tools`,
 `chat_template_kwargs` and `documents` go to the chat template (`chat_options`). The worker and the
 router both validate with this module; the worker then turns the request into the engine's
-`SamplingParams` (value ranges) and `KVTransferParams`.
+`SamplingParams` (value ranges) and `KVTransferParams`. The sampling knobs are read by the fields
+of `SamplingParams` (duplexkv/wire/sampling.py), where they are declared once: here only their
+JSON spelling (each field type's reader) and their types are checked.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from duplexkv.http.chat_options import ChatOptions, parse_chat_options
 from duplexkv.http.errors import bad_request
 from duplexkv.http.request_fields import reject_unsupported, unknown_fields
+from duplexkv.wire.sampling import MAX_N, SamplingParams
 
 Kind = Literal["completion", "chat"]
-MAX_N = 128  # choices per request: OpenAI's limit (the engine's SamplingParams checks it too)
 ROLES = ("system", "user", "assistant", "tool", "developer")  # developer is sent as system
 _MISSING = object()
 
@@ -31,20 +33,9 @@ class GenerateRequest:
     messages: list[dict] | None = None  # chat, normalised to text content
     add_generation_prompt: bool = True
     max_tokens: int | None = None  # None: fill the context, as vLLM does
-    n: int = 1  # choices, each sampled on its own (seed + index), the prompt computed once
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
+    # SamplingParams' other fields (n: choices, each sampled on its own with seed + index, the
+    # prompt computed once), type-checked; their ranges are checked by SamplingParams
+    sampling: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False  # vLLM extension: token ids on each choice
@@ -53,13 +44,9 @@ class GenerateRequest:
 
     def sampling_kwargs(self, max_tokens: int) -> dict[str, Any]:
         """The engine's SamplingParams fields (the engine checks their ranges)."""
-        return dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
-                    frequency_penalty=self.frequency_penalty,
-                    repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
-                    seed=self.seed, stop=list(self.stop),
-                    stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                    min_tokens=self.min_tokens, n=self.n)
+        return {"max_tokens": max_tokens,
+                **{k: type(v)(v) if isinstance(v, (list, dict)) else v
+                   for k, v in self.sampling.items()}}
 
 
 class _Fields:
@@ -122,16 +109,8 @@ def parse_request(body: dict, kind: Kind) -> GenerateRequest:
     include_usage = _Fields(options).get("include_usage", (bool,), "a boolean", False)
     kv = f.get("kv_transfer_params", (dict,), "an object or null")
     common: dict[str, Any] = {
-        "kind": kind, "model": model, "max_tokens": max_tokens, "n": n,
-        "temperature": f.number("temperature", 1.0), "top_p": f.number("top_p", 1.0),
-        "top_k": f.integer("top_k", 0), "min_p": f.number("min_p", 0.0),
-        "presence_penalty": f.number("presence_penalty", 0.0),
-        "frequency_penalty": f.number("frequency_penalty", 0.0),
-        "repetition_penalty": f.number("repetition_penalty", 1.0),
-        "logit_bias": _logit_bias(body.get("logit_bias")),
-        "seed": f.integer("seed"), "stop": _stop(body.get("stop")),
-        "stop_token_ids": _int_list(body.get("stop_token_ids"), "stop_token_ids"),
-        "ignore_eos": f.boolean("ignore_eos"), "min_tokens": f.integer("min_tokens", 0),
+        "kind": kind, "model": model, "max_tokens": max_tokens,
+        "sampling": {"n": n, **_sampling(f)},
         "stream": stream, "include_usage": bool(stream and include_usage),
         "return_token_ids": f.boolean("return_token_ids"), "kv_transfer_params": kv}
     if kind == "completion":
@@ -143,6 +122,25 @@ def parse_request(body: dict, kind: Kind) -> GenerateRequest:
     return GenerateRequest(messages=parse_messages(body["messages"]),
                            add_generation_prompt=f.boolean("add_generation_prompt", True),
                            chat_options=parse_chat_options(body), **common)
+
+
+# a SamplingParams field's type -> how its JSON value is read (None or absent: the default)
+_READERS = {
+    "int": lambda f, name, default: f.integer(name, default),
+    "int | None": lambda f, name, default: f.integer(name, default),
+    "float": lambda f, name, default: f.number(name, default),
+    "bool": lambda f, name, default: f.boolean(name, default),
+    "list[str]": lambda f, name, default: _stop(f.body.get(name)),
+    "list[int]": lambda f, name, default: _int_list(f.body.get(name), name),
+    "dict[int, float]": lambda f, name, default: _logit_bias(f.body.get(name)),
+}
+_KNOBS = [(k.name, _READERS[str(k.type)], k.default) for k in fields(SamplingParams)
+          if k.name not in ("max_tokens", "n")]  # read first, with their own rules
+
+
+def _sampling(f: _Fields) -> dict[str, Any]:
+    """The body's sampling knobs by SamplingParams' fields, in their order."""
+    return {name: read(f, name, default) for name, read, default in _KNOBS}
 
 
 def _logit_bias(v: Any) -> dict[int, float]:

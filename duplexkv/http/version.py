@@ -3,22 +3,14 @@
 
 from __future__ import annotations
 
-from importlib import metadata
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from duplexkv.version import __version__
+
 
 def package_version() -> str:
-    import duplexkv
-
-    v = getattr(duplexkv, "__version__", None)
-    if isinstance(v, str) and v:
-        return v
-    try:
-        return metadata.version("duplexkv")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+    return __version__
 
 
 async def version_endpoint(_: Request) -> Response:

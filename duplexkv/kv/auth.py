@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.utils.z85
 
-from duplexkv.engine.kv_transfer import KVTransferParams
+from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.kv.config import KVConfigError
 
 ENV = "DUPLEXKV_KV_SECRET"

@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
-from duplexkv.engine.kv_transfer import ConnectorEvent, KVConnectorBase, KVTransferParams
-from duplexkv.engine.llm_engine import LLMEngine
+from duplexkv.engine.kv_transfer import ConnectorEvent, EngineHost, KVConnectorBase
 from duplexkv.engine.sequence import Sequence
+from duplexkv.http import retention_sync as rs
 from duplexkv.kv import addresses
 from duplexkv.kv import auth as kvauth
 from duplexkv.kv import side_channel
@@ -39,6 +39,7 @@ from duplexkv.kv.local_reuse import LocalReuse, is_decode_local
 from duplexkv.kv.peer_gate import PeerGate
 from duplexkv.kv.reader import Reader
 from duplexkv.kv.transport import make_transport
+from duplexkv.wire.kv_params import KVTransferParams
 
 log = logging.getLogger(__name__)
 PROTOCOL_VERSION = "duplexkv-kv-2"  # 2: capability tokens, authenticated HELLO
@@ -46,10 +47,10 @@ NET_THREADS = 8
 
 
 class KVConnector(KVConnectorBase):
-    def __init__(self, cfg: KVTransferConfig, engine: LLMEngine) -> None:
+    def __init__(self, cfg: KVTransferConfig, host: EngineHost) -> None:
         self.cfg = cfg
-        self.engine = engine
-        bm = engine.bm
+        self.host = host
+        layout = host.kv_layout()
         auth = kvauth.load(cfg.auth_secret_file)  # never logged, never in a repr
         listens = [Listen("side channel", cfg.side_channel_bind, cfg.side_channel_host,
                           cfg.side_channel_port)]
@@ -62,12 +63,12 @@ class KVConnector(KVConnectorBase):
         self.auth = auth
         self.engine_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.compat_hash = hashlib.sha256(
-            engine.fingerprint
-            + f"{PROTOCOL_VERSION}/{tuple(engine.runner.pool.shape[1:])}".encode()).hexdigest()
+            layout.fingerprint
+            + f"{PROTOCOL_VERSION}/{tuple(host.kv_pool().shape[1:])}".encode()).hexdigest()
         self.transport = make_transport(cfg.transport, engine_id=self.engine_id,
                                         timeout_s=cfg.read_timeout_s, auth=auth,
                                         **self._transport_address(cfg))
-        self.transport.register(engine.runner.pool)
+        self.transport.register(host.kv_pool())
         self.counters: dict = {"pulls": 0, "pulled_tokens": 0, "pulled_bytes": 0,
                                "transfer_ms": 0.0, "verify_ms": 0.0, "read_ms": 0.0,
                                "declined": {}, "prefill_first_tokens": 0,
@@ -75,15 +76,15 @@ class KVConnector(KVConnectorBase):
                                "predicted_recompute_ms": 0.0}
         self.pool = ThreadPoolExecutor(NET_THREADS, thread_name_prefix="kv-net")
         self.gate = PeerGate(self.pool, cfg.peer_max_in_flight, cfg.peer_breaker_s)
-        self.holder = Holder(cfg, bm, engine.config.block_size, engine.fingerprint,
-                             self.engine_id, auth)
+        self.holder = Holder(cfg, host, layout.block_size, layout.fingerprint, self.engine_id,
+                             auth)
         self.transport.read_authorizer = self.holder.authorize_read  # TCP: checks each READ
         self.holder.retained.grants = self.transport  # NIXL: registers each claim's blocks
-        self.reader = Reader(cfg, engine, self.transport, self.gate, self.compat_hash,
+        self.reader = Reader(cfg, host, self.transport, self.gate, self.compat_hash,
                              self.counters, auth)
         hs = side_channel.Handshake(self.engine_id, self.compat_hash, cfg.transport,
-                                    self.transport.metadata(), engine.config.block_size,
-                                    bm.num_blocks, engine.block_bytes)
+                                    self.transport.metadata(), layout.block_size,
+                                    layout.num_blocks, layout.block_bytes)
         try:
             self.server = side_channel.SideChannelServer(
                 cfg.side_channel_bind, cfg.side_channel_port, hs,
@@ -94,7 +95,7 @@ class KVConnector(KVConnectorBase):
                                 f"{cfg.side_channel_port}: {e} (VLLM_NIXL_SIDE_CHANNEL_PORT / "
                                 "side_channel_port: pick a free port, or 0)") from None
         self.holder.address = (cfg.side_channel_host, self.server.port)
-        self.local = LocalReuse(self.holder, bm, engine.scheduler, self.engine_id, auth)
+        self.local = LocalReuse(self.holder, host, layout, self.engine_id, auth)
         self.holding: dict[str, str] = {}  # request id -> what finishing it leaves held
         self.to_pull: dict[str, tuple[KVTransferParams, int]] = {}  # until start_pull
         self.server.start()
@@ -163,7 +164,25 @@ class KVConnector(KVConnectorBase):
             refs[b] = refs.get(b, 0) + n
         return refs
 
+    # the router's retention sync (served by the worker at POST /v1/kv/retention) ----------
+    def sync_retention(self, req: rs.SyncRequest) -> tuple[rs.SyncReply, bool]:
+        """Renewals and deletions from the router; thread-safe (the retention table's lock), so
+        the HTTP thread calls it. -> (the reply, whether entries were marked deleted: call
+        `release_deleted` on the engine thread to free their blocks now)."""
+        return self.holder.sync(req)
+
+    def release_deleted(self) -> None:
+        """Free what deletions and expiry released (engine thread)."""
+        self.holder.expire()
+
     # reporting / lifecycle ---------------------------------------------------------------
+    def structures(self) -> dict:
+        """Sizes of the connector's per-request maps, for /debug/memory."""
+        r = self.reader
+        return {"kv.pulls": len(r.pulls), "kv.holding": len(self.holding),
+                "kv.to_pull": len(self.to_pull), "kv.peers": len(r.peers),
+                "kv.orphans": len(r.orphans), "kv.retained": len(self.holder.retained)}
+
     def health(self) -> dict:
         counters = {**self.counters, "retained": dict(self.holder.counters)}
         return {"engine_id": self.engine_id, "kv_connector": self.cfg.kv_connector,
@@ -175,7 +194,7 @@ class KVConnector(KVConnectorBase):
                 "side_channel_sockets": {"opened": self.reader.side.opened,
                                          "idle": self.reader.side.idle()},
                 "decode_local": self.local.state(),
-                "cost_model": self.engine.cost_model.as_dict(), "links": self.reader.link.state(),
+                "cost_model": self.host.prefill_cost_model().as_dict(), "links": self.reader.link.state(),
                 "peers": self.gate.state()}
 
     def close(self) -> None:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 import secrets
 
-from duplexkv.engine.block_manager import BlockManager
-from duplexkv.engine.kv_transfer import KVTransferParams
+from duplexkv.wire.kv_params import KVTransferParams
+from duplexkv.engine.kv_transfer import EngineHost
 from duplexkv.engine.sequence import Sequence
 from duplexkv.http import retention_sync as rs
 from duplexkv.kv import messages as m
@@ -53,9 +53,9 @@ def parse_notif(msg: bytes) -> tuple[str, str, bytes] | None:
 
 
 class Holder:
-    def __init__(self, cfg: KVTransferConfig, bm: BlockManager, block_size: int, seed: bytes,
+    def __init__(self, cfg: KVTransferConfig, host: EngineHost, block_size: int, seed: bytes,
                  engine_id: str, auth: KVAuth | None = None) -> None:
-        self.cfg, self.bm, self.engine_id = cfg, bm, engine_id
+        self.cfg, self.host, self.engine_id = cfg, host, engine_id
         self.auth = auth if auth is not None else KVAuth(None)
         self.retained = RetentionTable(block_size, seed,
                                        lease_s=min(cfg.decoder_kv_lease_duration,
@@ -78,8 +78,8 @@ class Holder:
         else:  # a renewable lease, never held past the TTL
             duration, cap = self.cfg.decoder_kv_lease_duration, self.cfg.decoder_kv_blocks_ttl
         n = seq.num_computed_tokens  # the last sampled token has no KV
-        blocks = seq.block_table[: self.bm.blocks_needed(n)]
-        self.bm.pin(blocks)
+        blocks = seq.block_table[: self.host.blocks_needed(n)]
+        self.host.pin(blocks)
         rid = f"{seq.request_id}-{secrets.token_hex(16)}"  # unguessable: it names the entry
         entry = self.retained.add(rid, blocks, seq.all_token_ids[:n], kind, duration, cap)
         self.counters[kind] += 1
@@ -104,7 +104,7 @@ class Holder:
 
     def _release(self, entry: Retained | None) -> None:
         if entry is not None:
-            self.bm.unpin(entry.block_ids)
+            self.host.unpin(entry.block_ids)
 
     def on_notification(self, msg: bytes) -> None:
         """A reader finished READing (`done:<id>:<token>`) or declined (`skip:...`); without a
@@ -126,7 +126,7 @@ class Holder:
         """Release retained entries, lowest value first (eviction.py; oldest first with
         `decoder_kv_eviction: "oldest"`), until `need_blocks` are free."""
         released = 0
-        while self.bm.num_free_blocks < need_blocks:
+        while self.host.num_free_blocks() < need_blocks:
             entry = self.retained.pop_for_pressure(self.cfg.decoder_kv_eviction)
             if entry is None:
                 break

@@ -18,9 +18,9 @@ Every outcome is in `kv_stats.decode_local` and counted (`duplexkv_kv_decode_loc
 
 from __future__ import annotations
 
-from duplexkv.engine.block_manager import BlockManager, hash_token_blocks
-from duplexkv.engine.kv_transfer import KVTransferParams
-from duplexkv.engine.scheduler import Scheduler
+from duplexkv.engine.block_manager import hash_token_blocks
+from duplexkv.engine.kv_transfer import EngineHost, KVLayout
+from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.engine.sequence import Sequence
 from duplexkv.kv.auth import SIGNATURE_KEY, KVAuth, signed_fields
 from duplexkv.kv.holder import Holder
@@ -35,9 +35,9 @@ def is_decode_local(p: KVTransferParams) -> bool:
 
 
 class LocalReuse:
-    def __init__(self, holder: Holder, bm: BlockManager, scheduler: Scheduler, engine_id: str,
+    def __init__(self, holder: Holder, host: EngineHost, layout: KVLayout, engine_id: str,
                  auth: KVAuth) -> None:
-        self.holder, self.bm, self.sched = holder, bm, scheduler
+        self.holder, self.host, self.layout = holder, host, layout
         self.engine_id, self.auth = engine_id, auth
         self.counters = dict.fromkeys(OUTCOMES, 0)
         self.reused_tokens = 0
@@ -61,26 +61,26 @@ class LocalReuse:
         entry = table.get(p.remote_request_id or "")
         if entry is None:
             return "unknown", 0, 0
-        bs = self.bm.block_size
+        bs = self.layout.block_size
         tokens = seq.prompt_token_ids[: len(entry.token_ids)]
-        matched = match_tokens(entry, hash_token_blocks(self.bm.seed, tokens, bs), tokens, bs)
+        matched = match_tokens(entry, hash_token_blocks(self.layout.fingerprint, tokens, bs), tokens, bs)
         usable = min(matched, seq.num_prompt_tokens - 1)
         if usable <= 0:
             return "mismatch", matched, 0
-        nblocks = self.bm.blocks_needed(usable)
+        nblocks = self.host.blocks_needed(usable)
         if usable % bs:
             # the new tokens go into the block after the verified ones: only into the entry's
             # own unfinished last block (no hash: in no prefix cache) that nobody else holds;
             # a full block whose match stops inside it is cached and shared, never written
-            last = self.bm.blocks[entry.block_ids[nblocks - 1]]
-            if last.hash or last.ref_count != 1 or entry.claimed(table.clock()):
+            last = entry.block_ids[nblocks - 1]
+            if not self.host.is_private_block(last) or entry.claimed(table.clock()):
                 usable, nblocks = (usable // bs) * bs, usable // bs
         if usable > 0:
-            self.sched.adopt_prefix(seq, entry.block_ids[:nblocks], usable)
+            self.host.adopt_prefix(seq, entry.block_ids[:nblocks], usable)
         # the new turn replaces the old one (retained again when it finishes)
         gone = table.pop(entry.request_id, "local")
         if gone is not None:
-            self.bm.unpin(gone.block_ids)
+            self.host.unpin(gone.block_ids)
         return "reused", matched, usable
 
     def state(self) -> dict:

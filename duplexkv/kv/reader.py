@@ -29,12 +29,11 @@ from dataclasses import dataclass, field
 from duplexkv.engine.block_manager import hash_token_blocks
 from duplexkv.engine.kv_transfer import (
     ConnectorEvent,
+    EngineHost,
     KVLanded,
-    KVTransferParams,
     LoadFailed,
     PullDeclined,
 )
-from duplexkv.engine.llm_engine import LLMEngine
 from duplexkv.engine.sequence import Sequence
 from duplexkv.kv import messages as m
 from duplexkv.kv import side_channel
@@ -45,6 +44,7 @@ from duplexkv.kv.link_model import LinkModel
 from duplexkv.kv.peer_gate import PeerGate
 from duplexkv.kv.pull_decision import COST_MODEL, decide
 from duplexkv.kv.transport import KVTransport, XferHandle, XferState
+from duplexkv.wire.kv_params import KVTransferParams
 
 log = logging.getLogger(__name__)
 # declines that mean the KV could not be loaded (kv_load_failure_policy applies to these)
@@ -78,13 +78,13 @@ class _Verified:
 
 
 class Reader:
-    def __init__(self, cfg: KVTransferConfig, engine: LLMEngine, transport: KVTransport,
+    def __init__(self, cfg: KVTransferConfig, host: EngineHost, transport: KVTransport,
                  gate: PeerGate, compat_hash: str, counters: dict,
                  auth: KVAuth | None = None) -> None:
-        self.cfg, self.engine, self.transport, self.gate = cfg, engine, transport, gate
+        self.cfg, self.host, self.transport, self.gate = cfg, host, transport, gate
         self.auth = auth if auth is not None else KVAuth(None)
-        self.bm, self.sched = engine.bm, engine.scheduler
-        self.bs = engine.config.block_size
+        self.layout = host.kv_layout()
+        self.bs = self.layout.block_size
         self.compat_hash = compat_hash
         self.counters = counters
         # handshakes by (engine id, side-channel address): the same id elsewhere is asked again
@@ -117,7 +117,7 @@ class Reader:
             self.results.put(_Verified(seq.request_id, None, None, "untrusted", why))
             return
         tokens = seq.prompt_token_ids[: p.remote_num_tokens]
-        hashes = hash_token_blocks(self.bm.seed, tokens, self.bs)
+        hashes = hash_token_blocks(self.layout.fingerprint, tokens, self.bs)
         rid = seq.request_id
         self.gate.submit(_addr(p), lambda: self._verify_job(rid, p, hashes, tokens),
                          lambda why: self.results.put(_Verified(
@@ -197,7 +197,7 @@ class Reader:
             try:
                 if self.transport.poll(item[0]) is not XferState.PENDING:
                     self.transport.release(item[0])
-                    self.bm.unpin(item[1])
+                    self.host.unpin(item[1])
                     self.orphans.remove(item)
             except Exception:
                 log.exception("polling an aborted READ failed")
@@ -219,7 +219,7 @@ class Reader:
         if pull.state == "reading" and pull.handle is not None \
                 and pull.handle.state is XferState.PENDING:
             # the READ may still land in these blocks: hold them until it ends
-            self.bm.pin(pull.local_block_ids)
+            self.host.pin(pull.local_block_ids)
             self.orphans.append((pull.handle, list(pull.local_block_ids)))
             pull.state = "orphaned"
 
@@ -247,14 +247,15 @@ class Reader:
         if gain <= 0:
             return self._decline(pull, "local_hit", notify=info)
         first = local // self.bs
-        last = self.bm.blocks_needed(usable)
-        dec = decide(pull.threshold, gain, local, (last - first) * self.engine.block_bytes,
-                     self.link.estimate(p.remote_engine_id or ""), self.engine.cost_model)
+        last = self.host.blocks_needed(usable)
+        dec = decide(pull.threshold, gain, local, (last - first) * self.layout.block_bytes,
+                     self.link.estimate(p.remote_engine_id or ""),
+                     self.host.prefill_cost_model())
         seq.stats.pull_decision = dec.as_dict()
         self._count_decision(dec)
         if not dec.pull:
             return self._decline(pull, dec.reason, notify=info)
-        table = self.sched.reserve_for_remote_kv(seq, usable)
+        table = self.host.reserve_for_remote_kv(seq, usable)
         if table is None:
             return self._decline(pull, "no_room", notify=info)
         try:
@@ -270,7 +271,7 @@ class Reader:
         except Exception as e:
             return self._decline(pull, "failed", str(e))
         pull.state, pull.usable_tokens = "reading", usable
-        pull.nbytes = len(remote) * self.engine.block_bytes
+        pull.nbytes = len(remote) * self.layout.block_bytes
         return None
 
     def _count_decision(self, dec) -> None:
@@ -297,8 +298,8 @@ class Reader:
                 and sp.greedy and seq.num_output_tokens == 0
                 and not sp.logit_bias and not sp.has_penalties
                 and p.remote_num_tokens == seq.num_prompt_tokens
-                and 0 <= tok < self.engine.model_config.vocab_size
-                and tok not in self.engine.banned_tokens(seq))
+                and 0 <= tok < self.layout.vocab_size
+                and tok not in self.host.banned_tokens(seq))
 
     def _decline(self, pull: Pull, reason: str, error: str | None = None,
                  notify: side_channel.PeerInfo | None = None) -> ConnectorEvent:

@@ -17,6 +17,7 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -39,6 +40,12 @@ _PROBE = ("Grüße, naïve café\u0301 — 12345 tokens;\n\n  indented\tline {0}
           "it's  done 's {0}{0}\n😀 x")
 
 
+@dataclass(frozen=True, slots=True)
+class SegmentStats:
+    entries: int
+    chars: int
+
+
 class SegmentCache:
     def __init__(self, tok: HFTokenizer, max_chars: int = MAX_CACHED_CHARS) -> None:
         self._tok = tok
@@ -59,6 +66,10 @@ class SegmentCache:
             self._split = re.compile("(" + "|".join(map(re.escape, alts)) + ")")
             self.splittable = self._probe()
         self.hits = self.misses = 0
+
+    def stats(self) -> SegmentStats:
+        """Entries and characters cached now (read without the lock, for /debug/memory)."""
+        return SegmentStats(len(self._cache), self._chars)
 
     def _probe(self) -> bool:
         specials = list(self._ids)

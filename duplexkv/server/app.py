@@ -29,7 +29,8 @@ from duplexkv.http import debug_memory
 from duplexkv.http.auth import APIKeyAuth
 from duplexkv.http.errors import APIError, bad_request, engine_unavailable, internal_error
 from duplexkv.http.version import version_endpoint
-from duplexkv.server.metrics import EngineSnapshot, ServerMetrics
+from duplexkv.engine.state import EngineSnapshot
+from duplexkv.server.metrics import ServerMetrics
 from duplexkv.server import tokenize
 from duplexkv.server.serving import OpenAIServing
 
@@ -42,7 +43,7 @@ async def _snapshot(aeng: AsyncEngine) -> EngineSnapshot | None:
     if aeng.dead:
         return None
     try:
-        return await asyncio.wait_for(aeng.call(lambda: EngineSnapshot.read(aeng.engine)),
+        return await asyncio.wait_for(aeng.call(aeng.engine.snapshot),
                                       ENGINE_CALL_TIMEOUT_S)
     except (TimeoutError, RuntimeError):
         return None
@@ -66,7 +67,7 @@ def build_app(aeng: AsyncEngine, served_model_names: str | Sequence[str],
     served_model_name = names[0]
     app = FastAPI(title="duplexkv worker", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(APIKeyAuth, keys=api_keys)
-    metrics = ServerMetrics(served_model_name, aeng.engine)
+    metrics = ServerMetrics(served_model_name, aeng.engine.capacity())
     for collector in collectors:  # e.g. the KV connector's
         metrics.registry.register(collector)
     serving = OpenAIServing(aeng, names, metrics, max_request_bytes
@@ -120,18 +121,7 @@ def build_app(aeng: AsyncEngine, served_model_names: str | Sequence[str],
         """Engine state plus the block pool's invariants, checked on the engine thread."""
         if aeng.dead:
             return engine_unavailable(aeng.dead).response()
-
-        def read() -> dict:
-            try:
-                aeng.engine.check_integrity()
-                integrity = "ok"
-            except AssertionError as e:
-                integrity = f"violated: {e}"
-            return {**EngineSnapshot.read(aeng.engine).as_dict(), "integrity": integrity,
-                    "dtype": aeng.engine.config.dtype,
-                    "num_evicted_blocks": aeng.engine.bm.num_evicted}
-
-        return JSONResponse(await aeng.call(read))
+        return JSONResponse(await aeng.call(aeng.engine.debug_state))
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -148,20 +138,5 @@ def _structures(aeng: AsyncEngine, serving: OpenAIServing) -> dict:
     """Sizes of a worker's per-request maps, caches and queues, for /debug/memory (lengths read
     without locks)."""
     e = aeng.engine
-    seg = e.tokenizer.segments
-    out = {"engine.requests": len(e.requests), "scheduler.waiting": len(e.scheduler.waiting),
-           "scheduler.running": len(e.scheduler.running),
-           "scheduler.parked": len(e.scheduler.parked), "async.streams": len(aeng._streams),
-           "serving.in_flight": len(serving.ids.in_flight),
-           "prefix_cache.hashes": len(e.bm.hash_to_block),
-           "segments.entries": len(seg._cache), "segments.chars": seg._chars,
-           "mirrors": len(e.runner.mirrors.mirrors),
-           "mirrors.mb": round(e.runner.mirrors.used_bytes / (1 << 20), 1)}
-    conn = e.connector
-    reader, holder = getattr(conn, "reader", None), getattr(conn, "holder", None)
-    if reader is not None and holder is not None:
-        out.update({"kv.pulls": len(reader.pulls), "kv.holding": len(conn.holding),
-                    "kv.to_pull": len(conn.to_pull), "kv.peers": len(reader.peers),
-                    "kv.orphans": len(reader.orphans), "kv.retained": len(holder.retained)})
-    return out
-
+    return {**e.structures(), "async.streams": aeng.num_streams(),
+            "serving.in_flight": len(serving.ids.in_flight), **e.connector.structures()}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from duplexkv.discovery.record import (
     DISCOVERY_ENV,
@@ -34,6 +35,9 @@ from duplexkv.discovery.record import (
     secret_key,
 )
 from duplexkv.discovery.registrar import Registrar
+
+if TYPE_CHECKING:
+    from duplexkv.engine.state import EngineCapacity
 
 KV_ROLE_TO_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode"}
 
@@ -98,9 +102,10 @@ class DiscoverySpec:
         host = f"[{bound_host}]" if ":" in bound_host else bound_host
         return f"http://{host}:{bound_port}"
 
-    def registrar(self, engine, model: str, bound_host: str, bound_port: int) -> Registrar:
-        cap = Capacity(max_num_seqs=engine.config.max_num_seqs, kv_blocks=engine.bm.num_blocks,
-                       block_size=engine.config.block_size, max_model_len=engine.max_model_len)
+    def registrar(self, engine: EngineCapacity, model: str, bound_host: str, bound_port: int
+                  ) -> Registrar:
+        cap = Capacity(max_num_seqs=engine.max_num_seqs, kv_blocks=engine.num_kv_blocks,
+                       block_size=engine.block_size, max_model_len=engine.max_model_len)
         record = Registration(id=new_worker_id(), role=self.role,
                               url=self.advertised(bound_host, bound_port), model=model,
                               capacity=cap, heartbeat_s=self.heartbeat_s, seq=0, issued_at=0.0)

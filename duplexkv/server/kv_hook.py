@@ -7,6 +7,8 @@ import atexit
 import logging
 from collections.abc import Callable
 
+from fastapi import FastAPI
+
 from duplexkv.engine.async_engine import AsyncEngine
 from duplexkv.kv.config import KVTransferConfig
 
@@ -14,13 +16,14 @@ log = logging.getLogger("duplexkv.serve")
 
 
 def attach_kv_transfer(aeng: AsyncEngine, kv_config: dict | None, args: argparse.Namespace
-                       ) -> tuple[Callable[[], dict] | None, tuple]:
+                       ) -> tuple[Callable[[], dict] | None, tuple, Callable[[FastAPI], None]]:
     """Wire the KV connector into `aeng` per `--kv-transfer-config`. Returns the function whose
-    dict is merged into /health and the Prometheus collectors to add (None, () without a
-    config). Bad settings raise ValueError."""
+    dict is merged into /health, the Prometheus collectors to add and the function that adds
+    the connector's routes to the app (None, (), a no-op without a config). Bad settings raise
+    ValueError."""
     cfg = KVTransferConfig.parse(kv_config)
     if cfg is None:
-        return None, ()
+        return None, (), lambda app: None
     from duplexkv.kv.connector import KVConnector  # imports the transport libraries
     from duplexkv.kv.metrics import KVCollector
 
@@ -34,4 +37,7 @@ def attach_kv_transfer(aeng: AsyncEngine, kv_config: dict | None, args: argparse
     connector = KVConnector(cfg, aeng.engine)
     aeng.engine.attach_connector(connector)
     atexit.register(connector.close)
-    return (lambda: {"kv_transfer": connector.health()}), (KVCollector(connector),)
+    from duplexkv.server import retention_route
+
+    return ((lambda: {"kv_transfer": connector.health()}), (KVCollector(connector),),
+            lambda app: retention_route.add_route(app, aeng, connector))

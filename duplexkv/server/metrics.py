@@ -19,42 +19,13 @@ from prometheus_client import (
     generate_latest,
 )
 
-from duplexkv.engine.block_manager import BlockCounts
-from duplexkv.engine.llm_engine import LLMEngine, RequestOutput
+from duplexkv.engine.output_processor import RequestOutput
+from duplexkv.engine.state import EngineCapacity, EngineSnapshot
 from duplexkv.server.vllm_metrics import VLLMMetrics
 
 TTFT_SOURCES = ("pulled", "local_hit", "recomputed")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
                    80.0, 160.0)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """Engine state read on the engine thread (via `AsyncEngine.call`)."""
-
-    running: int
-    waiting: int
-    waiting_for_remote_kv: int
-    blocks: BlockCounts
-    block_size: int
-    num_preemptions: int
-    num_failed_requests: int = 0  # ended by an error of their own (sampling, a hook, a step)
-    num_failed_steps: int = 0  # forward passes that raised (their requests failed)
-
-    @classmethod
-    def read(cls, engine: LLMEngine) -> EngineSnapshot:
-        s = engine.scheduler
-        return cls(len(s.running), len(s.waiting), len(s.parked), engine.bm.counts(),
-                   engine.config.block_size, s.num_preemptions, engine.num_failed_requests,
-                   engine.num_failed_steps)
-
-    def as_dict(self) -> dict:
-        return {"running": self.running, "waiting": self.waiting,
-                "waiting_for_remote_kv": self.waiting_for_remote_kv,
-                "kv_blocks": self.blocks._asdict(), "block_size": self.block_size,
-                "num_preemptions": self.num_preemptions,
-                "num_failed_requests": self.num_failed_requests,
-                "num_failed_steps": self.num_failed_steps}
 
 
 @dataclass(slots=True)
@@ -69,12 +40,12 @@ class ChoiceTimes:
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, engine: LLMEngine | None = None) -> None:
+    def __init__(self, model_name: str, engine: EngineCapacity | None = None) -> None:
         self.registry = r = CollectorRegistry()
         m = {"registry": r}
         self.vllm = None if engine is None else VLLMMetrics(
-            r, model_name, engine.max_model_len, engine.config.block_size, engine.bm.num_blocks,
-            engine.config.enable_prefix_caching, str(engine.config.dtype))
+            r, model_name, engine.max_model_len, engine.block_size, engine.num_kv_blocks,
+            engine.enable_prefix_caching, engine.dtype)
         self.requests = Counter("duplexkv_requests", "Generation requests by endpoint and outcome",
                                 ["endpoint", "outcome"], **m)
         self.prompt_tokens = Counter("duplexkv_prompt_tokens", "Prompt tokens of finished requests",

@@ -10,9 +10,9 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from duplexkv.engine.kv_transfer import KVParamsError, KVTransferParams
+from duplexkv.wire.kv_params import KVParamsError, KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine, RequestRejected
-from duplexkv.engine.sampling_params import SamplingParams
+from duplexkv.wire.sampling import SamplingParams
 from duplexkv.http.errors import bad_request, model_not_found
 from duplexkv.http.openai import GenerateRequest, Kind, parse_request
 from duplexkv.http.request_id import clean_request_id
@@ -36,7 +36,8 @@ def prepare(engine: LLMEngine, served_model_names: tuple[str, ...], body: dict,
     ids = _tokenize(engine, req)
     # default max_tokens: the rest of the context, as vLLM does (bounded by the KV pool), or
     # the generation config's max_new_tokens when smaller
-    limit = min(engine.max_model_len, engine.bm.num_blocks * engine.config.block_size)
+    cap = engine.capacity()
+    limit = min(cap.max_model_len, cap.kv_tokens)
     defaults = engine.sampling_defaults
     max_tokens = req.max_tokens if req.max_tokens is not None else \
         max(1, min(limit - len(ids), defaults.get("max_tokens", limit)))

@@ -123,7 +123,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from duplexkv.engine.async_engine import AsyncEngine
     from duplexkv.engine.llm_engine import LLMEngine
     from duplexkv.http.uvicorn_server import CleanExitServer as Server
-    from duplexkv.server import retention_route
     from duplexkv.server.app import build_app
     from duplexkv.server.kv_hook import attach_kv_transfer
 
@@ -133,7 +132,8 @@ def run_serve(args: argparse.Namespace) -> int:
     aeng = AsyncEngine(engine)
     aeng.start()
     try:
-        kv_health, collectors = attach_kv_transfer(aeng, args.kv_transfer_config, args)
+        kv_health, collectors, add_kv_routes = attach_kv_transfer(aeng, args.kv_transfer_config,
+                                                                args)
         registration: dict = {}  # the registrar, once the server listens
 
         def health_extra() -> dict:
@@ -143,14 +143,14 @@ def run_serve(args: argparse.Namespace) -> int:
             return out
 
         app = build_app(aeng, names, health_extra, collectors, args.max_request_bytes, api_keys)
-        retention_route.add_route(app, aeng)
+        add_kv_routes(app)
         server = Server(uvicorn.Config(app, host=args.host,
                                        port=args.port, lifespan="off", log_level="warning",
                                        access_log=False, timeout_graceful_shutdown=5))
         keys = f"; {len(api_keys)} API key(s) required" if api_keys else ""
         join = None if discovery is None else (
             lambda host, port: registration.setdefault(
-                "registrar", discovery.registrar(engine, names[0], host, port)))
+                "registrar", discovery.registrar(engine.capacity(), names[0], host, port)))
         what = f"{' | '.join(names)} ({engine.model_dir}, {engine.config.dtype}{keys})"
         asyncio.run(_serve(server, what, aeng, join))
         if aeng.dead:

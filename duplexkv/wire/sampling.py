@@ -1,4 +1,8 @@
-"""Per-request sampling settings (the OpenAI/vLLM knobs the engine honours).
+"""Per-request sampling settings (the OpenAI/vLLM knobs the engine honours), declared once.
+
+`SamplingParams` is the wire vocabulary's declaration of these knobs: the engine samples with it,
+and the OpenAI layer (http/openai.py) reads a request body's knobs by its fields (name, type,
+default), in field order, so a knob added here is accepted there too.
 
 Every value is checked here before it can reach a kernel: numbers must be finite and in range,
 ids must be integers (their range against the vocabulary is checked by the engine, which knows
@@ -34,12 +38,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
-    logit_bias: dict[int, float] = field(default_factory=dict)
     n: int = 1  # choices; choice i samples with seed + i (engine/parallel.py)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,50 @@
+"""The wire vocabulary (duplexkv/wire): the prefill leg's payloads equal the router's own (so the
+router can switch to them mechanically), and the OpenAI layer reads the sampling knobs that
+SamplingParams declares."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from duplexkv.http.openai import parse_request
+from duplexkv.router import legs
+from duplexkv.wire.kv_params import KVTransferParams, miss_params, replay_params
+from duplexkv.wire.sampling import SamplingParams
+
+D_PARAMS = {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "d-1",
+            "remote_block_ids": [[3, 4]], "remote_host": "10.0.0.2", "remote_port": 5600,
+            "remote_request_id": "cmpl-9", "remote_num_tokens": 20, "tp_size": 1,
+            "_remote_blocks_processed": True, "first_token_id": 7}
+
+
+def test_miss_params_equal_the_routers():
+    assert miss_params() == legs.miss_params()
+    a, b = miss_params(), miss_params()
+    a["remote_host"] = "x"
+    assert b == legs.miss_params(), "each call returns a fresh dict"
+
+
+@pytest.mark.parametrize("d", [D_PARAMS, {}, {"do_remote_decode": True, "x": 1}])
+def test_replay_params_equal_the_routers(d):
+    assert replay_params(d) == legs.replay_params(d)
+    assert d is D_PARAMS or "_remote_blocks_processed" not in replay_params(d)
+
+
+def test_a_miss_parses_to_a_leg_with_nothing_to_pull():
+    p = KVTransferParams.from_dict(miss_params())
+    assert p.do_remote_decode and not p.do_remote_prefill and not p.has_remote_blocks
+
+
+def test_every_sampling_knob_is_read_from_a_body():
+    body = {"prompt": "hi", "max_tokens": 3, "n": 2, "temperature": 0.5, "top_p": 0.9,
+            "top_k": 4, "min_p": 0.1, "presence_penalty": 0.2, "frequency_penalty": 0.3,
+            "repetition_penalty": 1.1, "logit_bias": {"5": 1.5}, "seed": 11, "stop": "x",
+            "stop_token_ids": [9], "ignore_eos": True, "min_tokens": 1}
+    kwargs = parse_request(body, "completion").sampling_kwargs(3)
+    assert set(kwargs) == {f.name for f in fields(SamplingParams)}
+    params = SamplingParams(**kwargs)
+    assert params.logit_bias == {5: 1.5} and params.stop == ["x"] and params.n == 2
+    assert SamplingParams(**parse_request({"prompt": "hi"}, "completion").sampling_kwargs(16)) \
+        == SamplingParams()
