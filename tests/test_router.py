@@ -40,12 +40,12 @@ from duplexkv.router.legs import (
     TurnStats,
     decode_body,
     prefill_body,
-    replay_params,
     rewrite_remote_host,
 )
 from duplexkv.router.request import ClientRequest
 from duplexkv.router.store import Entry, MemoryStore, RedisStore, conversation_key
 from duplexkv.router.stream import StreamRelay
+from duplexkv.wire.kv_params import replay_params
 
 ARGS = ("--num-kv-blocks", "256", "--max-model-len", "1024")
 MODEL = "tiny"

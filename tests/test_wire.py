@@ -1,6 +1,5 @@
-"""The wire vocabulary (duplexkv/wire): the prefill leg's payloads equal the router's own (so the
-router can switch to them mechanically), and the OpenAI layer reads the sampling knobs that
-SamplingParams declares."""
+"""The wire vocabulary (duplexkv/wire): the prefill leg's payloads, which the router sends (it has
+no copy of its own), and the OpenAI layer reads the sampling knobs that SamplingParams declares."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from dataclasses import fields
 import pytest
 
 from duplexkv.http.openai import parse_request
-from duplexkv.router import legs
+from duplexkv.router import proxy, warmup
 from duplexkv.wire.kv_params import KVTransferParams, miss_params, replay_params
 from duplexkv.wire.sampling import SamplingParams
 
@@ -19,17 +18,28 @@ D_PARAMS = {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine
             "_remote_blocks_processed": True, "first_token_id": 7}
 
 
-def test_miss_params_equal_the_routers():
-    assert miss_params() == legs.miss_params()
+MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def test_the_router_sends_the_wire_payloads():
+    for module in (proxy, warmup):
+        assert module.miss_params is miss_params and module.replay_params is replay_params
+
+
+def test_miss_params_are_vllms_miss():
+    assert miss_params() == MISS
     a, b = miss_params(), miss_params()
     a["remote_host"] = "x"
-    assert b == legs.miss_params(), "each call returns a fresh dict"
+    assert b == MISS, "each call returns a fresh dict"
 
 
 @pytest.mark.parametrize("d", [D_PARAMS, {}, {"do_remote_decode": True, "x": 1}])
-def test_replay_params_equal_the_routers(d):
-    assert replay_params(d) == legs.replay_params(d)
-    assert d is D_PARAMS or "_remote_blocks_processed" not in replay_params(d)
+def test_replay_params_force_the_p_leg_booleans_and_drop_engine_keys(d):
+    out = replay_params(d)
+    assert out == {**{k: v for k, v in d.items() if not k.startswith("_")},
+                   "do_remote_decode": True, "do_remote_prefill": False}
+    assert "_remote_blocks_processed" not in out
 
 
 def test_a_miss_parses_to_a_leg_with_nothing_to_pull():

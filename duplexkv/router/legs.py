@@ -19,22 +19,8 @@ from urllib.parse import urlsplit
 
 from duplexkv.router.request import ClientRequest
 
-MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None}
 P_LEG_DROPS = ("stream_options", "max_completion_tokens", "min_tokens", "min_completion_tokens",
                "n")
-
-
-def miss_params() -> dict:
-    return dict(MISS)
-
-
-def replay_params(d_params: dict) -> dict:
-    """D's stored params as a P request (protocol.md 2.7): booleans forced, engine-internal keys
-    (`_remote_blocks_processed`, ...) never sent."""
-    out = {k: v for k, v in d_params.items() if not k.startswith("_")}
-    out.update(do_remote_decode=True, do_remote_prefill=False)
-    return out
 
 
 def prefill_body(req: ClientRequest, params: dict) -> dict:

@@ -36,9 +36,7 @@ from duplexkv.router.legs import (
     decode_body,
     dumps,
     finish_json,
-    miss_params,
     prefill_body,
-    replay_params,
     rewrite_remote_host,
     worker_stats,
 )
@@ -64,6 +62,7 @@ from duplexkv.router.verify import (
     tokenize_body,
     verify,
 )
+from duplexkv.wire.kv_params import miss_params, replay_params
 
 log = logging.getLogger("duplexkv.router")
 perf = time.perf_counter

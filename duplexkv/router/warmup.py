@@ -34,9 +34,10 @@ import httpx
 from prometheus_client import Counter
 
 from duplexkv.router.backends import Backend, BackendPool
-from duplexkv.router.legs import dumps, miss_params, replay_params, rewrite_remote_host
+from duplexkv.router.legs import dumps, rewrite_remote_host
 from duplexkv.router.upstream import Upstream
 from duplexkv.router.verify import release_params
+from duplexkv.wire.kv_params import miss_params, replay_params
 
 log = logging.getLogger("duplexkv.router")
 
