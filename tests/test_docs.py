@@ -16,10 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 PAGES = sorted([ROOT / "README.md", TESTS / "README.md", *(ROOT / "docs").rglob("*.md")])
 
-# Pages another branch adds; a link to one of them may dangle until that branch is merged.
-# Remove an entry once its page exists.
-PENDING = {"docs/results/vllm-multiturn.md"}
-
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 
@@ -74,8 +70,7 @@ def test_relative_links_resolve(page):
         dest = (page.parent / file_part).resolve() if file_part else page
         rel = dest.relative_to(ROOT).as_posix() if dest.is_relative_to(ROOT) else str(dest)
         if not dest.exists():
-            if rel not in PENDING:
-                bad.append(f"{page.relative_to(ROOT)}:{lineno}: {target} (no such file)")
+            bad.append(f"{page.relative_to(ROOT)}:{lineno}: {target} (no such file)")
         elif anchor and dest.suffix == ".md" and anchor not in set(anchors(dest)):
             bad.append(f"{page.relative_to(ROOT)}:{lineno}: {target} (no such heading)")
     assert not bad, "\n".join(bad)
@@ -138,7 +133,7 @@ def test_sources_point_at_pages_that_exist():
             continue
         text = path.read_text(errors="replace")
         for ref in re.findall(r"\b((?:docs|tests)/[\w./-]+\.md)\b", text):
-            if not (ROOT / ref).exists() and ref not in PENDING:
+            if not (ROOT / ref).exists():
                 bad.append(f"{path.relative_to(ROOT)}: {ref}")
         if re.search(r"\bREADME\b(?!\.md)", text):
             bad.append(f"{path.relative_to(ROOT)}: says 'README' instead of naming the docs page")

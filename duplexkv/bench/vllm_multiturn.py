@@ -4,28 +4,20 @@
         [--max-context 8192] [--conversations 2] [--answer-tokens 32 64] [--no-plugin]
         [--json FILE]
 
-One vLLM prefill worker P (core 0, no prefix cache, as in the published evaluation) and one vLLM
-decode worker D (core 1), NixlConnector with `bidirectional_kv_xfer` on both, float32 so that
-greedy answers compare exactly; duplexkv's vLLM plugin puts D's `kv_transfer_params` on its
-streams (`--no-plugin`: stock vLLM 0.32, whose streams carry none). After the run P, D and the
-front-ends stop and a single vLLM server (both cores) answers every recorded turn's messages as
-the oracle (beside P and D it was starved: vLLM's D steps its engine every millisecond while it
-retains a turn). The front-ends, one after the other on every turn (the order rotating per
-turn), on the same P and D:
+vLLM P (core 0, no prefix cache) and D (core 1), NixlConnector with `bidirectional_kv_xfer`,
+float32 (greedy answers compare exactly), duplexkv's vLLM plugin (`--no-plugin`: stock 0.32,
+whose streams carry no params). After the run they stop and a single vLLM server answers every
+recorded turn as the oracle. The front-ends, in turn on every turn (order rotating per turn):
 
     off      our router, no conversation id: one-way P/D, P computes every whole prompt
-    proxy    vLLM's own examples/disaggregated/disaggregated_serving/disagg_proxy_multiturn.py,
-             from the path given (not shipped here; it needs fastapi, uvicorn and httpx, which
-             this Python has), with `conversation_id` in the body as it requires
+    proxy    vLLM's own disagg_proxy_multiturn.py from the path given (not shipped here), with
+             `conversation_id` in the body as it requires
     on       our router with `conversation_id`: verified bidirectional reuse
 
-Agentic conversations (bench/workload.py): each front-end gets its own text (a salt) of the same
-shape, so none warms another's caches on D. Each turn is streamed and timed on the client (TTFT:
-request sent -> first content); the histories hold each front-end's own answers. Per turn: P's
-D->P reads (vLLM's `vllm:nixl_xfer_time_seconds_count` on P; requests run one at a time, so each
-delta is that turn's), and whether the answer equals the oracle's for the same messages. The
-table: per bucket of prompt length, median TTFT per front-end, its ratio to `off`, turns where P
-read D's KV, answers equal.
+Agentic conversations (bench/workload.py), each front-end its own text of the same shape; turns
+streamed and timed on the client; P's D->P reads per turn from vLLM's
+`vllm:nixl_xfer_time_seconds_count`. The table: per prompt-length bucket, median TTFT per front-end
+and its ratio to `off`, turns where P read D's KV, answers equal (docs/results/vllm-multiturn.md).
 """
 
 from __future__ import annotations
@@ -33,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -101,7 +94,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def p_reads(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    """P's D->P read count; NaN when P does not answer (the turn's row then says so, and the
+    run goes on instead of losing what it measured)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return math.nan
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith(READS))
 
@@ -118,7 +116,7 @@ class Bench:
         kv = json.dumps({**KV, "kv_connector_extra_config": {
             "bidirectional_kv_xfer": True, "kv_recompute_threshold": a.threshold}})
         env = {"VLLM_PLUGINS": ""} if a.no_plugin else {}
-        max_len = a.max_context + 256
+        max_len = self.max_model_len()
         specs = {  # name -> (cores, extra args, env)
             "prefill": ("0", ("--no-enable-prefix-caching", "--kv-transfer-config", kv),
                         {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(vllm_venv.free_port())}),
@@ -130,10 +128,9 @@ class Bench:
                                     max_len, cores, 2, self.logs, extra=extra,
                                     log_name=f"vllm-{n}", env={**env, **e}, name=self.name)
                        for n, (cores, extra, e) in specs.items()}
-            for n, f in futures.items():
-                server = f.result()
-                self.stops.append(server.stop)
-                self.urls[n] = server.url
+            servers = {n: f.result() for n, f in futures.items()}
+        self.stops += [s.stop for s in servers.values()]
+        self.urls.update({n: s.url for n, s in servers.items()})
         router = spawn("router", ["router", "--host", "127.0.0.1", "--port", "0",
                                   "--prefill", self.urls["prefill"],
                                   "--decode", self.urls["decode"]], self.logs)
@@ -142,6 +139,11 @@ class Bench:
         self.urls["off"] = self.urls["on"] = router.url
         if "proxy" in a.modes:
             self.urls["proxy"] = self._start_proxy()
+
+    def max_model_len(self) -> int:
+        """--max-context plus room for an answer, within the model's own limit."""
+        cfg = json.loads((self.model_dir / "config.json").read_text())
+        return min(self.args.max_context + 256, int(cfg["max_position_embeddings"]))
 
     def _start_proxy(self) -> str:
         p_port, d_port = (self.urls[n].rsplit(":", 1)[1] for n in ("prefill", "decode"))
@@ -175,7 +177,7 @@ class Bench:
         """P, D and the front-ends are stopped: a single vLLM server on both cores answers
         every recorded turn; fills each row's prompt length and `equal`."""
         a = self.args
-        server = vllm_venv.start_vllm(a.venv, self.model_dir, "float32", a.max_context + 256,
+        server = vllm_venv.start_vllm(a.venv, self.model_dir, "float32", self.max_model_len(),
                                       "0-1", 2, self.logs, extra=(), log_name="vllm-single",
                                       name=self.name)
         try:
