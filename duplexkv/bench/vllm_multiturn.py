@@ -64,6 +64,7 @@ class Row:
     error: str | None = None
     text: str = ""
     messages: list | None = None  # what was sent (for the oracle, after the run)
+    max_tokens: int = 0  # the answer's length asked for (the oracle asks the same)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -173,7 +174,7 @@ class Bench:
         for stop in reversed(self.stops):
             stop()
 
-    def oracle(self, rows: list[Row], answer_tokens: dict) -> None:
+    def oracle(self, rows: list[Row]) -> None:
         """P, D and the front-ends are stopped: a single vLLM server on both cores answers
         every recorded turn; fills each row's prompt length and `equal`."""
         a = self.args
@@ -185,7 +186,7 @@ class Bench:
                 for r in rows:
                     resp = client.post(server.url + "/v1/chat/completions", json={
                         "model": self.name, "messages": r.messages, "temperature": 0,
-                        "max_tokens": answer_tokens[(r.conversation, r.turn)],
+                        "max_tokens": r.max_tokens,
                         "ignore_eos": True})
                     resp.raise_for_status()
                     body = resp.json()
@@ -219,8 +220,6 @@ class Bench:
                         print(f"{m:<6} c{i} turn {k + 1}: {row.prompt_tokens} tokens, TTFT "
                               f"{row.ttft_ms or 0:.0f} ms, P read {row.reads:g} {row.verify} "
                               f"{row.error or ''}", flush=True)
-        self.answer_tokens = {(f"c{i}", k + 1): t.answer_tokens
-                              for i, c in enumerate(shapes) for k, t in enumerate(c.turns)}
         return rows
 
     async def turn(self, client: httpx.AsyncClient, mode: str, conv: str, k: int,
@@ -238,7 +237,7 @@ class Bench:
         messages.append({"role": "assistant", "content": text})
         verify = r.verify if mode == "on" else ""
         return Row(mode, conv, k + 1, r.context_tokens, r.ttft_ms, reads, False, verify,
-                   r.error, text, sent)
+                   r.error, text, sent, n)
 
 
 def bucket(tokens: int) -> int:
@@ -285,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = asyncio.run(bench.run())
     finally:
         bench.stop()
-    bench.oracle(rows, bench.answer_tokens)
+    bench.oracle(rows)
     print(f"\nload average at start {load}, end {loadavg()}\n")
     print(table(rows, args.modes))
     if args.json:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -77,7 +77,8 @@ class Backend:
     def as_dict(self) -> dict:
         return {"name": self.name, "role": self.role, "healthy": self.healthy,
                 "outstanding": self.outstanding, "picks": self.picks, "errors": self.errors,
-                "warm": self.warm, "last_error": self.last_error or None, "kv_warning": self.kv_warning or None,
+                "warm": self.warm, "last_error": self.last_error or None,
+                "kv_warning": self.kv_warning or None,
                 "last_check_age_s": round(time.monotonic() - self.last_check, 3)
                 if self.last_check else None}
 
@@ -89,7 +90,8 @@ class BackendPool:
     affinity_slack: int = 4
     unhealthy_after: int = 2
     by_url: dict[tuple[str, str], Backend] = field(default_factory=dict)
-    cold_pairs: set[tuple[str, str]] = field(default_factory=set)  # (P url, D url) warming up
+    # (P url, D url) of the pairs whose channel is being opened (router/warmup.py keeps it)
+    cold_pairs: Collection[tuple[str, str]] = field(default_factory=frozenset)
 
     @classmethod
     def from_urls(cls, prefill: Iterable[str], decode: Iterable[str], **kw) -> BackendPool:

@@ -56,7 +56,9 @@ class PairWarmer:
                  timeout_s: float, rewrite_host: bool, outcomes: Counter) -> None:
         self.pool, self.upstream, self.headers = pool, upstream, headers
         self.timeout_s, self.rewrite_host, self.outcomes = timeout_s, rewrite_host, outcomes
+        # the pairs being warmed, (P url, D url) -> their exchange; the pool's `cold_pairs`
         self._pairs: dict[tuple[str, str], asyncio.Task] = {}
+        pool.cold_pairs = self._pairs
         self._tasks: set[asyncio.Task] = set()
         self._changed = asyncio.Condition()
         self.checked = asyncio.Event()  # the health checks' first round is done (kinds known)
@@ -80,8 +82,8 @@ class PairWarmer:
         return task
 
     async def _warm_backend(self, b: Backend) -> None:
-        """`b` is warm once any of its pairs is (or it has none); each pair is cold in the
-        pool (`cold_pairs`) until its own exchange has ended."""
+        """`b` is warm once any of its pairs is (or it has none); each pair is cold (in
+        `_pairs`, the pool's `cold_pairs`) until its own exchange has ended."""
         others = self.pool.decode if b.role == "prefill" else self.pool.prefill
         partners = [o for o in others if o.healthy and o.kind == b.kind and o.models]
         tasks = []
@@ -89,8 +91,7 @@ class PairWarmer:
             p, d = (b, o) if b.role == "prefill" else (o, b)
             key = (p.url, d.url)
             task = self._pairs.get(key)
-            if task is None or task.done():  # a worker that came back needs a new channel
-                self.pool.cold_pairs.add(key)
+            if task is None:  # also a worker that came back: it needs a new channel
                 task = self._pairs[key] = self._spawn(self._warm_pair(p, d))
             tasks.append(task)
         try:
@@ -118,7 +119,7 @@ class PairWarmer:
             log.info("warm-up of %s <-> %s: NIXL channel open in %.2f s", p.name, d.name,
                      time.perf_counter() - t)
         finally:
-            self.pool.cold_pairs.discard((p.url, d.url))
+            self._pairs.pop((p.url, d.url), None)
             await self._notify()
 
     async def _exchange(self, p: Backend, d: Backend) -> None:
