@@ -3,7 +3,10 @@
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -72,6 +75,29 @@ def test_make_model_deterministic_and_concurrent(tiny_model_dir: Path, tmp_path:
 
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+WEIGHTS_DIGEST = """
+import hashlib, sys
+from duplexkv.model.presets import get_preset
+from duplexkv.model.synth import init_weights
+w = init_weights(get_preset(sys.argv[1]), 0)
+print(hashlib.sha256(b"".join(v.numpy().tobytes() for v in w.values())).hexdigest())
+"""
+
+
+@pytest.mark.parametrize("preset", ["tiny", "bench"])
+def test_weights_are_the_same_on_every_cpu_kind(preset: str) -> None:
+    """PyTorch picks its SIMD code by the CPU (ATEN_CPU_CAPABILITY forces a kind): float32 normals
+    and exp gave other bits on AVX2 than on the portable path, so a model made on one machine
+    kind differed from one made on another (and torch's exp varied between processes on one)."""
+    digests = set()
+    for kind in ("default", "avx2"):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": kind}
+        out = subprocess.run([sys.executable, "-c", WEIGHTS_DIGEST, preset], env=env,
+                             capture_output=True, text=True, timeout=120, check=True)
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1, digests
 
 
 def test_make_model_refuses_a_directory_with_other_files(tmp_path: Path) -> None:
@@ -294,8 +320,7 @@ def test_resolve_model(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> Non
     assert resolve_model(tiny_model_dir) == tiny_model_dir
     made = resolve_model("tiny")
     assert made == preset_dir("tiny") and made.parent == tmp_path / "cache" / "models"
-    assert (made / "model.safetensors").read_bytes() == (
-        tiny_model_dir / "model.safetensors").read_bytes()
+    assert digest(made / "model.safetensors") == digest(tiny_model_dir / "model.safetensors")
     assert resolve_model("tiny") == made
     with pytest.raises(ModelLoadError, match=r"bench, tiny.*|config\.json") as e:
         resolve_model("no-such-model")
@@ -327,8 +352,7 @@ def test_a_preset_cached_by_an_older_version_is_never_loaded(tmp_path: Path, tin
     assert load_config(stale) == old_cfg
     made = resolve_model("tiny")
     assert load_config(made) == PRESETS["tiny"]
-    assert (made / "model.safetensors").read_bytes() == (
-        tiny_model_dir / "model.safetensors").read_bytes()
+    assert digest(made / "model.safetensors") == digest(tiny_model_dir / "model.safetensors")
     # another config or generator version is another directory; the same content the same one
     assert preset_dir("tiny") == made and preset_dir("tiny", seed=1) != made
     monkeypatch.setitem(PRESETS, "tiny", old_cfg)

@@ -51,7 +51,7 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 DEFAULT_PRESET = "bench"
-SYNTH_VERSION = 1  # of synth.py's output for a given config (tokenizer, weights, files)
+SYNTH_VERSION = 2  # of synth.py's output for a given config (tokenizer, weights, files)
 
 
 def get_preset(name: str) -> ModelConfig:

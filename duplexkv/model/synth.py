@@ -17,12 +17,12 @@ generator seeded by (seed, crc32(name)):
   down_proj      std 1/sqrt(intermediate); input/post-attention norms 1
   model.norm     8 * random signs: logit std ~8, and the signs cancel the tied-embedding self-match
                  E_x . diag(g) . E_x, so "repeat the current token" is not favoured
-Measured with transformers in float32, 20 random-token prompts x 32 greedy steps (seed 0):
+Measured with transformers in float32, 20 random-token prompts x 32 greedy steps (seed 0; the
+weights of SYNTH_VERSION 2, drawn in float64):
   top1-top2 gap  min / p1 / p5 / p25 / median   steps < 0.05   distinct tokens of 32 (mean, min)
-  tiny           0.004 / 0.069 / 0.30 / 1.6 / 3.7   3 of 640       23.1, 19
-  bench          0.015 / 0.075 / 0.29 / 1.6 / 4.0   4 of 640       27.1, 23
-(tiny with 2 heads x head_dim 32 and 1 KV head; its earlier 4 x 16 with 2 KV heads measured
-0.008 / 0.056 / 0.28 / 2.0 / 4.4, 5 of 640, 21.5, 8.) No eos emitted. Changing the 3rd prompt token
+  tiny           0.002 / 0.092 / 0.26 / 1.4 / 3.8   5 of 640       23.1, 13
+  bench          0.010 / 0.103 / 0.38 / 1.8 / 4.1   2 of 640       27.8, 22
+No eos emitted. Changing the 3rd prompt token
 changes all 20 continuations (mostly at the first new token). The next token after a 40-token prompt
 differs for 21-30 of 30 prompts with RoPE theta 1e4 instead of 1e6, with all positions 0, or with the
 first 16 tokens dropped (tiny: 26, 21, 26); shifting all positions by 1000 changes none (RoPE is
@@ -31,7 +31,8 @@ relative). bf16 is not exact: computing bench in bf16 instead of fp32
 quantised to ~0.1 at this scale), so exact-match tests should run float32.
 
 Determinism: the same preset and seed give byte-identical files (on the same Python stdlib and
-library versions; the seed changes only the weights). The directory is written to a temporary
+library versions, on any CPU: the weights are drawn in float64, whose PyTorch code is the same on
+every CPU kind, and rounded to float32 once; the seed changes only the weights). The directory is written to a temporary
 sibling and renamed into place, so concurrent makers of one model never leave a half-written one.
 """
 
@@ -40,6 +41,7 @@ from __future__ import annotations
 import errno
 import filecmp
 import json
+import math
 import os
 import shutil
 import sysconfig
@@ -150,8 +152,10 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def _randn(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
+    """float64: PyTorch draws float32 normals with SIMD code chosen by the CPU (AVX2 and the
+    portable path give other bits), float64 ones with the same scalar code everywhere."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.randn(shape, generator=g) * std
+    return torch.randn(shape, generator=g, dtype=torch.float64) * std
 
 
 def init_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -166,8 +170,13 @@ def init_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     for name, shape in expected_weight_shapes(cfg).items():
         kind = name.split(".")[-2]
         if name == "model.embed_tokens.weight":
-            scale = (EMBED_SCALE_SPREAD * _randn(name + ".scale", (shape[0], 1), 1.0, seed)).exp()
-            w = _randn(name, shape, d**-0.5, seed) * scale / scale.pow(2).mean().sqrt()
+            z = _randn(name + ".scale", (shape[0],), 1.0, seed).tolist()
+            # libm's exp and an exact sum: PyTorch's vectorised exp gave other last bits in 1 of
+            # ~15 processes on a 2-core AVX-512 VM (unpinned), so the model file changed
+            scale = [math.exp(EMBED_SCALE_SPREAD * v) for v in z]
+            rms = math.sqrt(math.fsum(s * s for s in scale) / shape[0])
+            w = (_randn(name, shape, d**-0.5, seed)
+                 * torch.tensor(scale, dtype=torch.float64).unsqueeze(1) / rms)
         elif name == "model.norm.weight":
             w = LOGIT_SCALE * _randn(name, shape, 1.0, seed).sign()
         elif name.endswith(".bias"):
@@ -176,7 +185,7 @@ def init_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
             w = torch.ones(shape)
         else:
             w = _randn(name, shape, std[kind], seed)
-        out[name] = w.contiguous()
+        out[name] = w.float().contiguous()  # the float64 draws rounded once: the same bits on any CPU
     return out
 
 
