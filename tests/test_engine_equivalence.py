@@ -73,9 +73,10 @@ def test_seeded_sampling_is_reproducible(tiny_model_dir, vocab):
                         ignore_eos=True)
     a = llm.generate([p], sp)[0].token_ids
     b = llm.generate([p], sp)[0].token_ids
-    c = llm.generate([p], SamplingParams(max_tokens=16, temperature=0.8, seed=8,
-                                         ignore_eos=True))[0].token_ids
-    assert a == b and a != c
+    # other seeds: the tiny model is peaked enough that one other seed may draw the same 16
+    others = [llm.generate([p], SamplingParams(max_tokens=16, temperature=0.8, seed=s,
+                                               ignore_eos=True))[0].token_ids for s in range(8, 12)]
+    assert a == b and any(a != c for c in others)
 
 
 def test_min_tokens_masks_stop_and_eos_tokens(tiny_model_dir, vocab):
