@@ -77,9 +77,8 @@ class KVConnector(KVConnectorBase):
         self.pool = ThreadPoolExecutor(NET_THREADS, thread_name_prefix="kv-net")
         self.gate = PeerGate(self.pool, cfg.peer_max_in_flight, cfg.peer_breaker_s)
         self.holder = Holder(cfg, host, layout.block_size, layout.fingerprint, self.engine_id,
-                             auth)
+                             auth, grants=self.transport)  # NIXL: registers each claim's blocks
         self.transport.read_authorizer = self.holder.authorize_read  # TCP: checks each READ
-        self.holder.retained.grants = self.transport  # NIXL: registers each claim's blocks
         self.reader = Reader(cfg, host, self.transport, self.gate, self.compat_hash,
                              self.counters, auth)
         hs = side_channel.Handshake(self.engine_id, self.compat_hash, cfg.transport,
