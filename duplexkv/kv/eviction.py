@@ -23,6 +23,8 @@ gaps longer than the entry's age). A conversation later than its own pace predic
 predicted again one gap from now, with its chance halved per gap of lateness (recency).
 Evicting the lowest value first approximates the offline optimum (Belady: evict what is used
 furthest in the future) with predictions in place of the future, weighted by what a reuse saves.
+`Conversations` is what the retention table keeps of all this (under its lock) and where it
+picks the victim (`victim`).
 """
 
 from __future__ import annotations
