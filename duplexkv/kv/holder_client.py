@@ -54,7 +54,7 @@ class HolderClient:
         # kept, authenticated side-channel sockets: the CURVE handshake is paid once per socket
         self._side = side_channel.ClientPool(auth)
 
-    def peer(self, p: KVTransferParams) -> side_channel.PeerInfo:
+    def _peer(self, p: KVTransferParams) -> side_channel.PeerInfo:
         key = (p.remote_engine_id or "", address(p))
         info = self._peers.get(key)
         if info is None:
@@ -82,7 +82,7 @@ class HolderClient:
                tokens: list) -> tuple[Verified, bool]:
         """Handshake (first time) and verify. -> (the outcome, whether the peer behaved)."""
         try:
-            info = self.peer(p)
+            info = self._peer(p)
             t0 = time.perf_counter()
             reply = self._side.request(p.remote_host or "", p.remote_port or 0,
                                        m.Verify(p.remote_request_id or "", hashes, tokens),
