@@ -4,7 +4,8 @@
     < bench, config_file < cli
 
 No import circles between modules, the router never reaches torch or the engine (not even
-through what it imports), and no module grows past ~300 lines without saying why at its top.
+through what it imports), no module grows past ~300 lines without saying why at its top, and
+no class past 200 lines.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ RANK = {"paths": -1, "flags": -1, "vllm_plugin": -1, "version": -1, "wire": -1, 
         "cli": 8}
 MAX_LINES = 300
 WHY_LONG = "Longer than 300 lines:"
+MAX_CLASS_LINES = 200
 
 
 def module_name(path: Path) -> str:
@@ -142,6 +144,19 @@ def test_long_modules_say_why():
             long.append(f"{mod}: {n} lines")
     assert not long, (f"modules over {MAX_LINES} lines without '{WHY_LONG} ...' in their "
                       "docstring:\n" + "\n".join(long))
+
+
+def test_no_long_classes():
+    """A class is at most 200 lines, from its `class` line to its last one (ast's end_lineno;
+    nested classes count in the class around them too)."""
+    long = []
+    for mod, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_CLASS_LINES:
+                    long.append(f"{mod}.{node.name}: {n} lines (line {node.lineno})")
+    assert not long, f"classes over {MAX_CLASS_LINES} lines:\n" + "\n".join(sorted(long))
 
 
 # --- no reaching into another package's objects ----------------------------------------------

@@ -225,19 +225,19 @@ def test_pressure_releases_by_value_not_by_age():
     assert next(iter(t._entries)) == a  # a is the oldest: oldest-first would take it
     c = _turns(t, clock, 3, [103.0])
     t.mark_deleted([c])
-    assert t.pop_lowest_value().request_id == c
-    assert t.pop_lowest_value().request_id == b
+    assert t.pop_for_pressure("value").request_id == c
+    assert t.pop_for_pressure("value").request_id == b
     assert len(t) == 1 and t.released["pressure"] == 2
     # a claim protects; a kept-alive conversation outranks a recent one
     t.verify_and_claim(a, t.get(a).hashes, t.get(a).token_ids, 10.0)
-    assert t.pop_lowest_value() is None
+    assert t.pop_for_pressure("value") is None
     d = _turns(t, clock, 4, [-50.0, 0.0, 50.0, 100.0])  # pace 50 s, due at 150 s
     e = _turns(t, clock, 5, [-50.0, 0.0, 50.0, 100.0])
     held, unknown = t.renew([e])
     assert e in held and unknown == []
     clock.now = 140.0
     t.verify_and_claim(a, t.get(a).hashes, t.get(a).token_ids, 10.0)  # a stays claimed
-    assert t.pop_lowest_value().request_id == d
+    assert t.pop_for_pressure("value").request_id == d
     # the release log: what the router learns
     log = t.released_since(-1)
     assert not log.reset and {c, b, d} <= set(log.request_ids)

@@ -1,7 +1,7 @@
 """The KV connector: the engine's `KVConnectorBase`, composed of a holder and a reader.
 
     engine calls            connector                     parts
-    wants_remote_kv         remember the params; pull?    Holder.kind_for, Reader.threshold_for
+    wants_remote_kv         remember the params; pull?    Holder.kind_for, threshold_for
                             (decode_local: own history)   LocalReuse.adopt
     start_pull              verify, then READ             Reader.start
     poll                    events; notifications;        Reader.poll, Holder.on_notification,
@@ -11,8 +11,8 @@
     reclaim / extra_refs    release / count held blocks   Holder.reclaim / Holder + Reader refs
 
 It owns the shared pieces: the side channel (served by the holder), the transport (READs by the
-reader, served for the holder), the per-peer gate and thread pool for network jobs, and the
-counters. See docs/architecture.md for the sequence of a pull.
+reader, served for the holder), and the per-peer gate and thread pool for network jobs. See
+docs/architecture.md for the sequence of a pull.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from duplexkv.kv.config import KVConfigError, KVTransferConfig
 from duplexkv.kv.holder import Holder
 from duplexkv.kv.local_reuse import LocalReuse, is_decode_local
 from duplexkv.kv.peer_gate import PeerGate
+from duplexkv.kv.pull_decision import threshold_for
 from duplexkv.kv.reader import Reader
 from duplexkv.kv.transport import make_transport
 from duplexkv.wire.kv_params import KVTransferParams
@@ -69,19 +70,12 @@ class KVConnector(KVConnectorBase):
                                         timeout_s=cfg.read_timeout_s, auth=auth,
                                         **self._transport_address(cfg))
         self.transport.register(host.kv_pool())
-        self.counters: dict = {"pulls": 0, "pulled_tokens": 0, "pulled_bytes": 0,
-                               "transfer_ms": 0.0, "verify_ms": 0.0, "read_ms": 0.0,
-                               "declined": {}, "prefill_first_tokens": 0,
-                               "decisions": {}, "predicted_transfer_ms": 0.0,
-                               "predicted_recompute_ms": 0.0}
         self.pool = ThreadPoolExecutor(NET_THREADS, thread_name_prefix="kv-net")
         self.gate = PeerGate(self.pool, cfg.peer_max_in_flight, cfg.peer_breaker_s)
         self.holder = Holder(cfg, host, layout.block_size, layout.fingerprint, self.engine_id,
-                             auth)
+                             auth, grants=self.transport)  # NIXL: registers each claim's blocks
         self.transport.read_authorizer = self.holder.authorize_read  # TCP: checks each READ
-        self.holder.retained.grants = self.transport  # NIXL: registers each claim's blocks
-        self.reader = Reader(cfg, host, self.transport, self.gate, self.compat_hash,
-                             self.counters, auth)
+        self.reader = Reader(cfg, host, self.transport, self.gate, self.compat_hash, auth)
         hs = side_channel.Handshake(self.engine_id, self.compat_hash, cfg.transport,
                                     self.transport.metadata(), layout.block_size,
                                     layout.num_blocks, layout.block_bytes)
@@ -122,7 +116,7 @@ class KVConnector(KVConnectorBase):
         kind = self.holder.kind_for(params)
         if kind is not None:
             self.holding[seq.request_id] = kind
-        threshold = self.reader.threshold_for(params)
+        threshold = threshold_for(self.cfg, params)
         if threshold is None:
             return False
         self.to_pull[seq.request_id] = (params, threshold)
@@ -140,7 +134,7 @@ class KVConnector(KVConnectorBase):
         return events
 
     def poll_timeout(self) -> float | None:
-        if self.reader.pulls or self.reader.orphans:
+        if self.reader.busy():
             return 0.001
         return 0.05 if len(self.holder.retained) else None
 
@@ -180,19 +174,18 @@ class KVConnector(KVConnectorBase):
         """Sizes of the connector's per-request maps, for /debug/memory."""
         r = self.reader
         return {"kv.pulls": len(r.pulls), "kv.holding": len(self.holding),
-                "kv.to_pull": len(self.to_pull), "kv.peers": len(r.peers),
-                "kv.orphans": len(r.orphans), "kv.retained": len(self.holder.retained)}
+                "kv.to_pull": len(self.to_pull), "kv.peers": r.client.num_peers(),
+                "kv.orphans": r.transfers.num_orphans(), "kv.retained": len(self.holder.retained)}
 
     def health(self) -> dict:
-        counters = {**self.counters, "retained": dict(self.holder.counters)}
+        counters = {**self.reader.counters.as_dict(), "retained": dict(self.holder.counters)}
         return {"engine_id": self.engine_id, "kv_connector": self.cfg.kv_connector,
                 "kv_auth": "cluster secret" if self.auth.enabled else "loopback only",
                 "side_channel": f"{self.cfg.side_channel_host}:{self.server.port}",
                 "side_channel_bind": f"{self.server.host}:{self.server.port}",
                 "transport": self.transport.health(), "retained": self.holder.retained.stats(),
                 "pulls_in_flight": len(self.reader.pulls), "counters": counters,
-                "side_channel_sockets": {"opened": self.reader.side.opened,
-                                         "idle": self.reader.side.idle()},
+                "side_channel_sockets": self.reader.client.sockets(),
                 "decode_local": self.local.state(),
                 "cost_model": self.host.prefill_cost_model().as_dict(), "links": self.reader.link.state(),
                 "peers": self.gate.state()}
@@ -200,5 +193,5 @@ class KVConnector(KVConnectorBase):
     def close(self) -> None:
         self.server.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.reader.side.close()
+        self.reader.close()
         self.transport.close()

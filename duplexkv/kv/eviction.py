@@ -23,13 +23,20 @@ gaps longer than the entry's age). A conversation later than its own pace predic
 predicted again one gap from now, with its chance halved per gap of lateness (recency).
 Evicting the lowest value first approximates the offline optimum (Belady: evict what is used
 furthest in the future) with predictions in place of the future, weighted by what a reuse saves.
+`Conversations` is what the retention table keeps of all this (under its lock) and where it
+picks the victim (`victim`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from duplexkv.kv.retained import Retained
 
 MIN_WAIT_S = 0.05
 LINEAGE_MAX = 8192  # conversations whose last entry D remembers (oldest first out)
@@ -121,7 +128,6 @@ class Lineage:
         return None
 
 
-
 def value(*, tokens: int, blocks: int, created: float, expiry: float, cap: float,
           renewed: bool, deleted: bool, rhythm: Rhythm, pop: Population, now: float) -> float:
     """Tokens saved per block-second held (module docstring); higher is kept longer."""
@@ -143,3 +149,59 @@ def value(*, tokens: int, blocks: int, created: float, expiry: float, cap: float
     if now + wait > deadline:
         p *= 0.1  # it would expire first unless renewed
     return tokens * p / (blocks * max(wait, MIN_WAIT_S))
+
+
+@dataclass(slots=True)
+class Conversations:
+    """What D learns of its conversations from the retained turns' lives, and what it does with
+    that under pressure: the victim. `lease_s` is a "ttl" entry's renewable lease (an entry
+    renewed within it counts as kept alive by the router)."""
+    lease_s: float
+    lineage: Lineage = field(default_factory=Lineage)
+    population: Population = field(default_factory=Population)
+    linked: int = 0  # entries recognised as a later turn of a conversation seen before
+
+    def turn(self, hashes: list[bytes], now: float) -> Rhythm:
+        """The rhythm of a new "ttl" entry made now: its conversation's, one more gap observed,
+        when its hashes continue an earlier turn's; else a new conversation's."""
+        r = self.lineage.find(hashes)
+        if r is not None:
+            self.linked += 1
+            gap = max(now - r.last_created, 0.0)
+            r.observe(gap)
+            self.population.observe_gap(gap)
+        else:
+            r = Rhythm()
+        r.last_created = now
+        return r
+
+    def released(self, e: Retained, why: str) -> None:
+        """A "ttl" entry went: an unused end counts against continuation, and unless its
+        conversation was deleted, its next turn may still come and inherit the rhythm."""
+        if why in ("expired", "capped", "deleted"):
+            self.population.ended += 1
+        if why != "deleted" and e.hashes:
+            self.lineage.released(e.hashes[-1], e.rhythm)
+
+    def value(self, e: Retained, now: float) -> float:
+        """What keeping `e` is worth per block-second (module docstring)."""
+        renewed = e.renewed_at > 0 and now - e.renewed_at < self.lease_s
+        return value(tokens=len(e.token_ids), blocks=len(e.block_ids), created=e.created,
+                     expiry=e.expiry, cap=e.cap, renewed=renewed, deleted=e.deleted,
+                     rhythm=e.rhythm, pop=self.population, now=now)
+
+    def victim(self, entries: Iterable[Retained], now: float, policy: str) -> Retained | None:
+        """The unclaimed entry to release under memory pressure. "value": the one worth least
+        (P's leases are never chosen while a "ttl" entry is left: a P lease is a request's
+        prefill that D is about to READ); otherwise ("oldest", the policy before eviction by
+        value and the retention benchmark's baseline) the oldest of `entries` (oldest first)."""
+        if policy != "value":
+            return next((e for e in entries if not e.claimed(now)), None)
+        best, best_key = None, None
+        for e in entries:
+            if e.claimed(now):
+                continue
+            key = (e.kind != "ttl", self.value(e, now) if e.kind == "ttl" else 0.0)
+            if best_key is None or key < best_key:
+                best, best_key = e, key
+        return best

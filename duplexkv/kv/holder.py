@@ -29,7 +29,9 @@ from duplexkv.http import retention_sync as rs
 from duplexkv.kv import messages as m
 from duplexkv.kv.auth import SIGNATURE_KEY, KVAuth
 from duplexkv.kv.config import KVTransferConfig
-from duplexkv.kv.retention import Retained, RetentionTable
+from duplexkv.kv.claims import Grants
+from duplexkv.kv.retained import Retained
+from duplexkv.kv.retention import RetentionTable
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +56,14 @@ def parse_notif(msg: bytes) -> tuple[str, str, bytes] | None:
 
 class Holder:
     def __init__(self, cfg: KVTransferConfig, host: EngineHost, block_size: int, seed: bytes,
-                 engine_id: str, auth: KVAuth | None = None) -> None:
+                 engine_id: str, auth: KVAuth | None = None,
+                 grants: Grants | None = None) -> None:
+        """`grants`: the transport's exposure of a claim's blocks (NIXL registers them)."""
         self.cfg, self.host, self.engine_id = cfg, host, engine_id
         self.auth = auth if auth is not None else KVAuth(None)
         self.retained = RetentionTable(block_size, seed,
                                        lease_s=min(cfg.decoder_kv_lease_duration,
-                                                   cfg.decoder_kv_blocks_ttl))
+                                                   cfg.decoder_kv_blocks_ttl), grants=grants)
         self.address: tuple[str, int] = ("", 0)  # the side channel's, set once it listens
         self.counters = {"lease": 0, "ttl": 0}
 
@@ -111,7 +115,7 @@ class Holder:
         claim's token on that entry nothing is released (retention.py, `release_claimed`)."""
         parsed = parse_notif(msg)
         if parsed is None:
-            self.retained.refused_notifs += 1
+            self.retained.refuse_notif()
             return
         kind, rid, token = parsed
         self._release(self.retained.release_claimed(rid, token,
@@ -145,7 +149,7 @@ class Holder:
 
     # transport server threads
     def authorize_read(self, token: bytes, block_ids: tuple[int, ...]) -> str | None:
-        """The transport's READ check: None, or why the READ is refused (retention.py)."""
+        """The transport's READ check: None, or why the READ is refused (claims.py)."""
         return self.retained.authorize_read(token, block_ids)
 
     # HTTP thread (the router's POST /v1/kv/retention); deleted entries go at the next `expire`

@@ -3,7 +3,7 @@
 The router (router/placement.py) sends the turn straight to the D that retained the previous
 turn, with that turn's params and `"decode_local": true`. D then checks its own retained entry
 against the new prompt exactly as a P reader would (the holder's chained block hashes, then token
-by token in the first block that differs: retention.match_tokens) and starts the request from the
+by token in the first block that differs: retained.match_tokens) and starts the request from the
 verified blocks, as a local prefix; only the new suffix is prefilled, in chunks between the
 decodes of the other requests (the scheduler's chunked prefill). The old entry is released at
 once (the new turn is retained in its place when it finishes).
@@ -24,7 +24,7 @@ from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.engine.sequence import Sequence
 from duplexkv.kv.auth import SIGNATURE_KEY, KVAuth, signed_fields
 from duplexkv.kv.holder import Holder
-from duplexkv.kv.retention import match_tokens
+from duplexkv.kv.retained import match_tokens
 
 DECODE_LOCAL_KEY = "decode_local"
 OUTCOMES = ("reused", "mismatch", "unknown", "untrusted", "other_engine")

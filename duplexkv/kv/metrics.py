@@ -11,25 +11,25 @@ class KVCollector(Collector):
         self.c = connector
 
     def collect(self):
-        c = self.c.counters
+        c = self.c.reader.counters
         yield CounterMetricFamily("duplexkv_kv_pulls", "Completed KV READs from other workers",
-                                  value=c["pulls"])
+                                  value=c.pulls)
         yield CounterMetricFamily("duplexkv_kv_pull_tokens", "Tokens of KV READ from other workers",
-                                  value=c["pulled_tokens"])
+                                  value=c.pulled_tokens)
         yield CounterMetricFamily("duplexkv_kv_pull_bytes", "Bytes of KV READ from other workers",
-                                  value=c["pulled_bytes"])
+                                  value=c.pulled_bytes)
         yield CounterMetricFamily("duplexkv_kv_pull_seconds", "Time spent in KV READs",
-                                  value=c["transfer_ms"] / 1e3)
+                                  value=c.transfer_ms / 1e3)
         yield CounterMetricFamily("duplexkv_kv_prefill_first_tokens", "Decode legs that emitted "
                                   "P's greedy first token instead of recomputing the last prompt "
-                                  "token", value=c["prefill_first_tokens"])
+                                  "token", value=c.prefill_first_tokens)
         declined = CounterMetricFamily("duplexkv_kv_pull_declined",
                                        "Remote KV not used, by reason", labels=["reason"])
         for reason in ("threshold", "cost_model", "mismatch", "expired", "failed", "no_room", "unknown",
                        "local_hit", "bad_reply", "unreachable", "peer_down", "untrusted",
-                       *c["declined"]):
+                       *c.declined):
             if reason not in {m.labels["reason"] for m in declined.samples}:
-                declined.add_metric([reason], c["declined"].get(reason, 0))
+                declined.add_metric([reason], c.declined.get(reason, 0))
         yield declined
         decisions = CounterMetricFamily(
             "duplexkv_kv_pull_decisions", "Pull-or-recompute decisions after a verify, by policy "
@@ -37,15 +37,15 @@ class KVCollector(Collector):
         for policy in ("cost_model", "threshold"):
             for decision in ("pull", "decline"):
                 decisions.add_metric([policy, decision],
-                                     c["decisions"].get(f"{policy}:{decision}", 0))
+                                     c.decisions.get(f"{policy}:{decision}", 0))
         yield decisions
         yield CounterMetricFamily("duplexkv_kv_pull_predicted_transfer_seconds",
                                   "Predicted transfer time of the pulls taken (compare with "
                                   "duplexkv_kv_pull_seconds, the actual)",
-                                  value=c["predicted_transfer_ms"] / 1e3)
+                                  value=c.predicted_transfer_ms / 1e3)
         yield CounterMetricFamily("duplexkv_kv_pull_predicted_recompute_seconds",
                                   "Predicted recompute time of the pulls declined",
-                                  value=c["predicted_recompute_ms"] / 1e3)
+                                  value=c.predicted_recompute_ms / 1e3)
         retained = CounterMetricFamily("duplexkv_kv_retained", "Finished requests whose blocks "
                                        "were kept for another worker", labels=["kind"])
         for kind, n in self.c.holder.counters.items():

@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from duplexkv.engine.cost_model import PrefillCostModel
+from duplexkv.kv.config import KVTransferConfig
 from duplexkv.kv.link_model import LinkEstimate
+from duplexkv.wire.kv_params import KVTransferParams
 
 COST_MODEL = -1  # Pull.threshold meaning "decide by the cost model"
 DEFAULT_THRESHOLD = 64  # the fixed rule, before the cost model has a sample
@@ -42,6 +44,19 @@ class Decision:
                 "predicted_recompute_ms": None if rec is None else round(rec, 3),
                 "link_gbps": float(f"{self.link_gbps:.4g}"), "link_rtt_ms": round(self.link_rtt_ms, 3),
                 "link_measured": self.link_measured}
+
+
+def threshold_for(cfg: KVTransferConfig, p: KVTransferParams) -> int | None:
+    """Tokens a pull must gain (COST_MODEL: the cost model decides), or None when these params
+    ask for no pull."""
+    if not p.has_remote_blocks:
+        return None
+    if p.do_remote_prefill:
+        return 0  # D leg: P computed this prompt for us; take any gain
+    if p.do_remote_decode and cfg.bidirectional_kv_xfer:
+        t = cfg.kv_recompute_threshold
+        return COST_MODEL if t is None else t
+    return None
 
 
 def decide(threshold: int, gain_tokens: int, local_tokens: int, nbytes: int,

@@ -1,28 +1,27 @@
 """The reader: pulls a holder's blocks for a parked request, verified first.
 
-Longer than 300 lines: the pull state machine (verify, decide, reserve, READ, land or decline),
-its network jobs and its failure isolation are one concept.
-
     start(seq, params)     hash the prompt's blocks; a verify job goes to the holder's side
-                           channel on a kv-net thread, gated per peer (`peer_gate`)
+                           channel on a kv-net thread (holder_client.py), gated per peer
+                           (`peer_gate`)
     verified (poll)        usable = tokens the holder has for exactly this prompt; gain = usable
                            minus the local prefix hit; a transfer predicted to cost more than
                            recomputing (or a gain below an explicit threshold: pull_decision),
                            expiring soon, no room -> declined (the holder is told `skip:` with
                            the claim's token, to free at once);
-                           else blocks are reserved and the READ starts (`done:` on landing)
+                           else blocks are reserved and the READ starts (transfers.py; `done:`
+                           on landing)
     READ polled            DONE -> KVLanded; FAILED -> declined (`failed`); heartbeats renew
                            the holder's lease while it runs
 Each pull ends in exactly one event for the engine: KVLanded, PullDeclined or LoadFailed (the
 last when the transfer failed and `kv_load_failure_policy` is "fail"). Everything but the jobs
 runs on the engine thread; a failure while handling one pull ends that pull, never the poll.
+What the pulls did is counted in `counters` (pull_stats.py).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -35,21 +34,21 @@ from duplexkv.engine.kv_transfer import (
     PullDeclined,
 )
 from duplexkv.engine.sequence import Sequence
-from duplexkv.kv import messages as m
 from duplexkv.kv import side_channel
 from duplexkv.kv.auth import KVAuth
 from duplexkv.kv.config import KVTransferConfig
-from duplexkv.kv.holder import notif
+from duplexkv.kv.holder_client import HolderClient, Verified, address
 from duplexkv.kv.link_model import LinkModel
 from duplexkv.kv.peer_gate import PeerGate
-from duplexkv.kv.pull_decision import COST_MODEL, decide
+from duplexkv.kv.pull_decision import decide
+from duplexkv.kv.pull_stats import PullCounters
+from duplexkv.kv.transfers import Transfers
 from duplexkv.kv.transport import KVTransport, XferHandle, XferState
 from duplexkv.wire.kv_params import KVTransferParams
 
 log = logging.getLogger(__name__)
 # declines that mean the KV could not be loaded (kv_load_failure_policy applies to these)
 LOAD_FAILURES = ("failed", "bad_reply", "unreachable", "peer_down")
-MAX_PEERS = 1024
 
 
 @dataclass(slots=True)
@@ -57,7 +56,7 @@ class Pull:
     seq: Sequence
     params: KVTransferParams
     threshold: int
-    state: str = "verifying"  # verifying -> reading -> (event emitted)
+    state: str = "verifying"  # verifying -> reading -> (event emitted) | orphaned
     handle: XferHandle | None = None
     local_block_ids: list[int] = field(default_factory=list)
     usable_tokens: int = 0
@@ -68,119 +67,39 @@ class Pull:
     token: bytes = b""  # the holder's claim (verify): READ capability, and proof for done/skip
 
 
-@dataclass(frozen=True, slots=True)
-class _Verified:
-    request_id: str
-    info: side_channel.PeerInfo | None
-    reply: m.VerifyReply | None
-    why: str | None = None  # set when the verify itself failed
-    error: str | None = None
-
-
 class Reader:
     def __init__(self, cfg: KVTransferConfig, host: EngineHost, transport: KVTransport,
-                 gate: PeerGate, compat_hash: str, counters: dict,
-                 auth: KVAuth | None = None) -> None:
-        self.cfg, self.host, self.transport, self.gate = cfg, host, transport, gate
+                 gate: PeerGate, compat_hash: str, auth: KVAuth | None = None) -> None:
+        self.cfg, self.host, self.gate = cfg, host, gate
         self.auth = auth if auth is not None else KVAuth(None)
         self.layout = host.kv_layout()
         self.bs = self.layout.block_size
-        self.compat_hash = compat_hash
-        self.counters = counters
-        # handshakes by (engine id, side-channel address): the same id elsewhere is asked again
-        self.peers: dict[tuple[str, str], side_channel.PeerInfo] = {}
-        self._peers_lock = threading.Lock()  # kv-net threads handshake concurrently
-        self.connected: set[str] = set()
+        self.counters = PullCounters()
         self.pulls: dict[str, Pull] = {}
-        self.orphans: list[tuple[XferHandle, list[int]]] = []  # aborted READs still landing
-        self.results: queue.SimpleQueue[_Verified] = queue.SimpleQueue()
-        # kept, authenticated side-channel sockets: the CURVE handshake is paid once per socket
-        self.side = side_channel.ClientPool(self.auth)
+        self.results: queue.SimpleQueue[Verified] = queue.SimpleQueue()
         self.link = LinkModel(cfg.kv_link_prior_rtt_ms, cfg.kv_link_prior_gbps,
                               cfg.kv_link_assumed_gbps, cfg.kv_link_sample_max_age_s)
-
-    def threshold_for(self, p: KVTransferParams) -> int | None:
-        """Tokens a pull must gain, or None when these params ask for no pull."""
-        if not p.has_remote_blocks:
-            return None
-        if p.do_remote_prefill:
-            return 0  # D leg: P computed this prompt for us; take any gain
-        if p.do_remote_decode and self.cfg.bidirectional_kv_xfer:
-            t = self.cfg.kv_recompute_threshold
-            return COST_MODEL if t is None else t
-        return None
+        self.client = HolderClient(cfg, compat_hash, self.auth, self.link)
+        self.transfers = Transfers(transport, host)
 
     def start(self, seq: Sequence, p: KVTransferParams, threshold: int) -> None:
         self.pulls[seq.request_id] = Pull(seq, p, threshold)
         trusted, why = self.auth.params_trusted(p)
         if not trusted:  # before any connection: forged params reach no host (protocol.md 6)
-            self.results.put(_Verified(seq.request_id, None, None, "untrusted", why))
+            self.results.put(Verified(seq.request_id, None, None, "untrusted", why))
             return
         tokens = seq.prompt_token_ids[: p.remote_num_tokens]
         hashes = hash_token_blocks(self.layout.fingerprint, tokens, self.bs)
         rid = seq.request_id
-        self.gate.submit(_addr(p), lambda: self._verify_job(rid, p, hashes, tokens),
-                         lambda why: self.results.put(_Verified(
-                             rid, None, None, why, "skipped while the peer's breaker is open")))
 
-    # kv-net threads ----------------------------------------------------------------------
-    def _peer(self, p: KVTransferParams) -> side_channel.PeerInfo:
-        key = (p.remote_engine_id or "", _addr(p))
-        info = self.peers.get(key)
-        if info is None:
-            info = side_channel.handshake(p.remote_host or "", p.remote_port or 0,
-                                          self.cfg.connect_timeout_s, pool=self.side)
-            hs = info.handshake
-            if hs.engine_id != p.remote_engine_id:
-                raise side_channel.SideChannelError(
-                    f"engine id mismatch: params name {p.remote_engine_id}, "
-                    f"{_addr(p)} is {hs.engine_id} (restarted?)")
-            if self.cfg.enforce_handshake_compat and hs.compat_hash != self.compat_hash:
-                raise side_channel.SideChannelError(
-                    f"incompatible KV layout or model at {hs.engine_id}: compatibility hash "
-                    f"{hs.compat_hash[:12]} != ours {self.compat_hash[:12]}")
-            if hs.transport != self.cfg.transport:
-                raise side_channel.SideChannelError(
-                    f"peer uses transport {hs.transport}, we use {self.cfg.transport}")
-            with self._peers_lock:
-                if len(self.peers) >= MAX_PEERS:
-                    self.peers.pop(next(iter(self.peers)))
-                self.peers[key] = info
-        return info
+        def verify() -> bool:  # on a kv-net thread
+            res, behaved = self.client.verify(rid, p, hashes, tokens)
+            self.results.put(res)
+            return behaved
 
-    def _verify_job(self, rid: str, p: KVTransferParams, hashes: list, tokens: list) -> bool:
-        """Handshake (first time) and verify. Returns whether the peer behaved (for its
-        breaker); the result goes to the engine thread through `results`."""
-        try:
-            info = self._peer(p)
-            t0 = time.perf_counter()
-            reply = self.side.request(p.remote_host or "", p.remote_port or 0,
-                                      m.Verify(p.remote_request_id or "", hashes, tokens),
-                                      m.VerifyReply, self.cfg.connect_timeout_s)
-            assert isinstance(reply, m.VerifyReply)
-            self.link.observe_rtt(p.remote_engine_id or "", (time.perf_counter() - t0) * 1e3)
-            self.results.put(_Verified(rid, info, reply))
-            return True
-        except side_channel.BadReply as e:
-            self.results.put(_Verified(rid, None, None, "bad_reply", str(e)))
-        except side_channel.PeerUnreachable as e:
-            self.results.put(_Verified(rid, None, None, "unreachable", str(e)))
-        except Exception as e:
-            self.results.put(_Verified(rid, None, None, "failed", str(e)))
-            return True  # it answered (refused, or is another engine): not a dead peer
-        return False
+        self.gate.submit(address(p), verify, lambda why: self.results.put(Verified(
+            rid, None, None, why, "skipped while the peer's breaker is open")))
 
-    def _heartbeat_job(self, p: KVTransferParams) -> bool:
-        try:
-            self.side.request(p.remote_host or "", p.remote_port or 0,
-                              m.Heartbeat([p.remote_request_id or ""]), m.HeartbeatReply,
-                              self.cfg.connect_timeout_s)
-            return True
-        except Exception as e:
-            log.warning("heartbeat to %s failed: %s", p.remote_engine_id, e)
-            return not isinstance(e, (side_channel.BadReply, side_channel.PeerUnreachable))
-
-    # engine thread -----------------------------------------------------------------------
     def poll(self) -> list[ConnectorEvent]:
         events: list[ConnectorEvent] = []
         while True:
@@ -193,14 +112,7 @@ class Reader:
         for pull in list(self.pulls.values()):
             if pull.state == "reading":
                 events.extend(self._isolated(pull.seq.request_id, self._poll_read, pull, now))
-        for item in list(self.orphans):
-            try:
-                if self.transport.poll(item[0]) is not XferState.PENDING:
-                    self.transport.release(item[0])
-                    self.host.unpin(item[1])
-                    self.orphans.remove(item)
-            except Exception:
-                log.exception("polling an aborted READ failed")
+        self.transfers.poll_orphans()
         return events
 
     def _isolated(self, rid: str, fn, *args) -> list[ConnectorEvent]:
@@ -216,14 +128,10 @@ class Reader:
             return [self._decline(pull, "failed", repr(e))]
 
     def _orphan_if_reading(self, pull: Pull) -> None:
-        if pull.state == "reading" and pull.handle is not None \
-                and pull.handle.state is XferState.PENDING:
-            # the READ may still land in these blocks: hold them until it ends
-            self.host.pin(pull.local_block_ids)
-            self.orphans.append((pull.handle, list(pull.local_block_ids)))
-            pull.state = "orphaned"
+        if pull.state == "reading" and self.transfers.orphan(pull.handle, pull.local_block_ids):
+            pull.state = "orphaned"  # the READ may still land in these blocks
 
-    def _on_verified(self, res: _Verified) -> ConnectorEvent | None:
+    def _on_verified(self, res: Verified) -> ConnectorEvent | None:
         pull = self.pulls.get(res.request_id)
         if pull is None or pull.seq.is_finished:
             return None
@@ -252,41 +160,25 @@ class Reader:
                      self.link.estimate(p.remote_engine_id or ""),
                      self.host.prefill_cost_model())
         seq.stats.pull_decision = dec.as_dict()
-        self._count_decision(dec)
+        self.counters.decided(dec)
         if not dec.pull:
             return self._decline(pull, dec.reason, notify=info)
         table = self.host.reserve_for_remote_kv(seq, usable)
         if table is None:
             return self._decline(pull, "no_room", notify=info)
         try:
-            self._connect(p, info)
             pull.local_block_ids = table[first:last]
             remote = list(p.remote_block_ids[first:last])
             if len(remote) != len(pull.local_block_ids):
                 raise ValueError("holder's block list is shorter than its token count")
             pull.read_started = time.perf_counter()  # NIXL over CMA copies inside read()
-            pull.handle = self.transport.read(
-                p.remote_engine_id or "", pull.local_block_ids, remote,
-                notif("done", p.remote_request_id or "", reply.token), reply.token, reply.grant)
+            pull.handle = self.transfers.read(p, info, pull.local_block_ids, remote,
+                                              reply.token, reply.grant)
         except Exception as e:
             return self._decline(pull, "failed", str(e))
         pull.state, pull.usable_tokens = "reading", usable
         pull.nbytes = len(remote) * self.layout.block_bytes
         return None
-
-    def _count_decision(self, dec) -> None:
-        c = self.counters["decisions"]
-        key = f"{dec.policy}:{'pull' if dec.pull else 'decline'}"
-        c[key] = c.get(key, 0) + 1
-        if dec.pull:
-            self.counters["predicted_transfer_ms"] += dec.predicted_transfer_ms
-        elif dec.predicted_recompute_ms is not None:
-            self.counters["predicted_recompute_ms"] += dec.predicted_recompute_ms
-
-    def _connect(self, p: KVTransferParams, info: side_channel.PeerInfo) -> None:
-        if p.remote_engine_id not in self.connected:
-            self.transport.connect(p.remote_engine_id or "", info.handshake.transport_metadata)
-            self.connected.add(p.remote_engine_id or "")
 
     def _takes_first_token(self, seq: Sequence, p: KVTransferParams) -> bool:
         """May this D leg emit P's first token instead of computing the last prompt token?
@@ -306,15 +198,9 @@ class Reader:
         """Not pulling (or the pull failed): tell the holder, then compute locally or fail."""
         seq, p = pull.seq, pull.params
         self.pulls.pop(seq.request_id, None)
-        d = self.counters["declined"]
-        d[reason] = d.get(reason, 0) + 1
+        self.counters.declined_for(reason)
         if notify is not None and pull.token:  # no claim (nothing matched): nothing to free
-            try:
-                self._connect(p, notify)
-                self.transport.send_notif(p.remote_engine_id or "",
-                                          notif("skip", p.remote_request_id or "", pull.token))
-            except Exception as e:
-                log.warning("notify-only to %s failed: %s", p.remote_engine_id, e)
+            self.transfers.skip(p, notify, pull.token)
         if reason == "untrusted":
             log.warning("KV pull for %s declined (untrusted params): %s", seq.request_id, error)
         if reason in LOAD_FAILURES:
@@ -324,25 +210,23 @@ class Reader:
         return PullDeclined(seq.request_id, reason)
 
     def _poll_read(self, pull: Pull, now: float) -> ConnectorEvent | None:
-        assert pull.handle is not None
-        state = self.transport.poll(pull.handle)
+        h, peer = pull.handle, pull.params.remote_engine_id or ""
+        assert h is not None
+        state = self.transfers.poll(h)
         if state is XferState.DONE:
-            self.link.observe_read(pull.params.remote_engine_id or "", pull.nbytes,
-                                   pull.handle.elapsed_s * 1e3)
-            self.transport.release(pull.handle)
+            self.link.observe_read(peer, pull.nbytes, h.elapsed_s * 1e3)
+            self.transfers.release(h)
             return self._landed(pull)
         if state is XferState.FAILED:
-            h = pull.handle
             err = h.error or "transfer failed"
             if h.finished is not None and h.finished >= h.deadline:  # timed out: a bound
-                self.link.observe_timed_out_read(pull.params.remote_engine_id or "", pull.nbytes,
-                                                 h.elapsed_s * 1e3)
-            self.transport.release(h)
+                self.link.observe_timed_out_read(peer, pull.nbytes, h.elapsed_s * 1e3)
+            self.transfers.release(h)
             return self._decline(pull, "failed", err)
         if now - pull.last_heartbeat > self.cfg.heartbeat_interval_s:
             pull.last_heartbeat = now
             p = pull.params
-            self.gate.submit(_addr(p), lambda: self._heartbeat_job(p), lambda why: None)
+            self.gate.submit(address(p), lambda: self.client.heartbeat(p), lambda why: None)
         return None
 
     def _landed(self, pull: Pull) -> KVLanded:
@@ -351,19 +235,12 @@ class Reader:
         gained = pull.usable_tokens - seq.num_computed_tokens
         now = time.perf_counter()
         ms = (now - pull.started) * 1e3
-        c = self.counters
-        c["pulls"] += 1
-        c["verify_ms"] += (pull.read_started - pull.started) * 1e3  # the pull's two phases
-        c["read_ms"] += (now - pull.read_started) * 1e3
-        c["pulled_tokens"] += gained
-        c["pulled_bytes"] += pull.nbytes
-        c["transfer_ms"] += ms
+        whole = pull.usable_tokens == seq.num_prompt_tokens  # see _takes_first_token
+        self.counters.landed(gained, pull.nbytes, (pull.read_started - pull.started) * 1e3,
+                             (now - pull.read_started) * 1e3, ms, whole)
         if seq.stats.pull_decision is not None:
             seq.stats.pull_decision["actual_transfer_ms"] = round(ms, 3)
-        first = None
-        if pull.usable_tokens == seq.num_prompt_tokens:  # see _takes_first_token
-            c["prefill_first_tokens"] += 1
-            first = pull.params.first_token_id
+        first = pull.params.first_token_id if whole else None
         return KVLanded(seq.request_id, pull.usable_tokens, gained, pull.nbytes, ms, first)
 
     def forget(self, seq: Sequence) -> None:
@@ -372,13 +249,12 @@ class Reader:
         if pull is not None:
             self._orphan_if_reading(pull)
 
+    def busy(self) -> bool:
+        """Pulls in flight, or aborted READs still landing."""
+        return bool(self.pulls) or self.transfers.num_orphans() > 0
+
     def refs(self) -> dict[int, int]:
-        refs: dict[int, int] = {}
-        for _, blocks in self.orphans:
-            for b in blocks:
-                refs[b] = refs.get(b, 0) + 1
-        return refs
+        return self.transfers.refs()
 
-
-def _addr(p: KVTransferParams) -> str:
-    return f"{p.remote_host}:{p.remote_port}"
+    def close(self) -> None:
+        self.client.close()

@@ -1,18 +1,13 @@
 """KV-block transports behind `KVTransport`: NIXL (UCX) and the built-in TCP one.
 
 `make_transport(kind, **kw)` is the only place that knows the implementations; they import
-`base` and never this package's top level, so there is no import circle.
+`base` (and its parts) and never this package's top level, so there is no import circle.
 """
 
-from duplexkv.kv.transport.base import (
-    NIXL_INSTALL_HINT,
-    KVTransport,
-    TransferStats,
-    XferHandle,
-    XferState,
-)
+from duplexkv.kv.transport.base import NIXL_INSTALL_HINT, KVTransport
+from duplexkv.kv.transport.handle import XferHandle, XferState
 
-__all__ = ["KVTransport", "TransferStats", "XferHandle", "XferState", "make_transport"]
+__all__ = ["KVTransport", "XferHandle", "XferState", "make_transport"]
 
 
 def make_transport(kind: str, **kw) -> KVTransport:

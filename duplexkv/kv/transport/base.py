@@ -1,170 +1,33 @@
 """The KV transport interface: one-sided READs of whole KV blocks between worker processes.
 
-Longer than 300 lines: the interface's contract (docstrings) plus the bookkeeping both
-implementations share (registration, peers, handles, deadlines, counters, health), so that NIXL
-and TCP keep only what differs.
-
-Every worker registers one pool tensor `[num_blocks, ...]` (contiguous, CPU), so block `b` is the
-byte range `pool.data_ptr() + b * block_bytes` of length `block_bytes`. A transfer is a pull: the
-reader READs remote block ids into its own block ids, then the holder receives a notification
-(opaque bytes) so that it can free the blocks. Implementations: `nixl` (NIXL / UCX) and `tcp`
-(standard library sockets). `duplexkv.kv.transport.make_transport(kind, **kw)` picks one.
+A transfer is a pull: the reader READs remote block ids into its own block ids (layout.py: block
+`b` is a fixed byte range of the registered pool), then the holder receives a notification
+(opaque bytes) so that it can free the blocks. `KVTransport` is the contract callers use and
+the bookkeeping both implementations share (registration, peers, handles, deadlines, counters,
+health); each implementation writes only the hooks (hooks.py). Implementations: `nixl` (NIXL /
+UCX) and `tcp` (standard library sockets). `duplexkv.kv.transport.make_transport(kind, **kw)`
+picks one.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
 
 import torch
 
 from duplexkv.kv.transport import meta
+from duplexkv.kv.transport.handle import TransferStats, XferHandle, XferState
+from duplexkv.kv.transport.hooks import ConnT, Peer, TransportHooks
+from duplexkv.kv.transport.layout import PoolLayout, check_block_ids
 
 DEFAULT_TIMEOUT_S = 10.0
 NIXL_INSTALL_HINT = "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1"
 log = logging.getLogger(__name__)
 
 
-class XferState(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
-
-
-@dataclass(eq=False)
-class XferHandle:
-    """One READ. Owned by the transport that made it; pass it back to `poll` / `release`.
-
-    `state` and `error` are updated by `poll`; read them after polling. `impl` is private to the
-    transport (a NIXL request, a TCP job).
-    """
-
-    peer: str
-    local_block_ids: tuple[int, ...]
-    remote_block_ids: tuple[int, ...]
-    nbytes: int
-    deadline: float  # time.monotonic() after which the read counts as failed
-    started: float = field(default_factory=time.monotonic)
-    state: XferState = XferState.PENDING
-    error: str | None = None
-    finished: float | None = None  # time.monotonic() when DONE/FAILED was first seen
-    impl: object = field(default=None, repr=False)
-    token: bytes = field(default=b"", repr=False)  # the holder's capability for this READ
-    grant: bytes = field(default=b"", repr=False)  # what the holder exposed for it (NIXL)
-
-    @property
-    def elapsed_s(self) -> float:
-        return (self.finished if self.finished is not None else time.monotonic()) - self.started
-
-    def _finish(self, state: XferState, error: str | None = None) -> XferState:
-        if self.state is XferState.PENDING:
-            self.state, self.error, self.finished = state, error, time.monotonic()
-        return self.state
-
-
-@dataclass(frozen=True, slots=True)
-class PoolLayout:
-    """Where a registered pool lives and how it splits into blocks."""
-
-    base_ptr: int
-    num_blocks: int
-    block_bytes: int
-
-    @classmethod
-    def of(cls, pool: torch.Tensor) -> PoolLayout:
-        if pool.device.type != "cpu":
-            raise ValueError(f"the KV pool must be a CPU tensor, got {pool.device}")
-        if not pool.is_contiguous():
-            raise ValueError("the KV pool must be contiguous")
-        if pool.dim() < 1 or pool.shape[0] < 1 or pool.numel() == 0:
-            raise ValueError(f"the KV pool needs at least one non-empty block, got {tuple(pool.shape)}")
-        nbytes = pool.numel() * pool.element_size()
-        return cls(pool.data_ptr(), pool.shape[0], nbytes // pool.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_blocks * self.block_bytes
-
-
-@dataclass(slots=True)
-class TransferStats:
-    """Counters every transport keeps and reports in `health()`."""
-
-    reads: int = 0
-    reads_done: int = 0
-    reads_failed: int = 0
-    bytes_read: int = 0
-    read_seconds: float = 0.0
-    last_read_ms: float | None = None
-    last_read_gbps: float | None = None
-    last_error: str | None = None
-    notifs_sent: int = 0
-    notifs_received: int = 0
-
-    def finished(self, h: XferHandle) -> None:
-        """Count a handle that just became DONE or FAILED."""
-        if h.state is XferState.DONE:
-            self.reads_done += 1
-            self.bytes_read += h.nbytes
-            self.read_seconds += h.elapsed_s
-            self.last_read_ms = round(h.elapsed_s * 1e3, 3)
-            if h.nbytes and h.elapsed_s > 0:
-                self.last_read_gbps = round(h.nbytes / h.elapsed_s / 1e9, 3)
-        elif h.state is XferState.FAILED:
-            self.reads_failed += 1
-            self.last_error = h.error
-
-    def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__slots__}
-        d["read_seconds"] = round(self.read_seconds, 6)
-        return d
-
-
-def check_block_ids(local: Sequence[int], remote: Sequence[int], local_blocks: int,
-                    remote_blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Validate a READ's block ids (ValueError) and return them as tuples of int."""
-    if len(local) != len(remote):
-        raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
-    loc = tuple(int(b) for b in local)
-    rem = tuple(int(b) for b in remote)
-    for name, ids, n in (("local", loc, local_blocks), ("remote", rem, remote_blocks)):
-        bad = [b for b in ids if not 0 <= b < n]
-        if bad:
-            raise ValueError(f"{name} block ids out of range [0, {n}): {bad[:8]}")
-    if len(set(loc)) != len(loc):
-        raise ValueError("local block ids must be distinct (two blocks would land in one)")
-    return loc, rem
-
-
-def runs(ids: Sequence[int]) -> list[tuple[int, int]]:
-    """Split block ids into maximal runs of consecutive ids: [(first_id, count), ...]."""
-    out: list[tuple[int, int]] = []
-    for b in ids:
-        if out and out[-1][0] + out[-1][1] == b:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((b, 1))
-    return out
-
-
-ConnT = TypeVar("ConnT")
-
-
-@dataclass(slots=True)
-class Peer(Generic[ConnT]):
-    """One connected peer: the metadata it was connected with and the transport's own state."""
-
-    metadata: bytes
-    header: dict
-    conn: ConnT  # NIXL: prepared remote descriptors; TCP: the PeerLink
-
-
-class KVTransport(ABC, Generic[ConnT]):
+class KVTransport(TransportHooks[ConnT]):
     """Moves whole KV blocks between workers by one-sided READs, with completion notifications.
 
     Threading: call every method from one thread (the worker's loop). Implementations may use
@@ -174,13 +37,9 @@ class KVTransport(ABC, Generic[ConnT]):
 
     The public methods below keep the bookkeeping every transport shares (the registered pool,
     the peer table, block-id checks, handles and their deadlines, counters, the `health()`
-    shape) and call the `_..._impl` hooks for what a transport does differently. Handles are
+    shape) and call the hooks (hooks.py) for what a transport does differently. Handles are
     finished (`_complete`) only on the caller's thread, so the counters need no lock.
     """
-
-    engine_id: str
-    #: `poll` calls `_poll_overdue` once a read is still PENDING this long after its deadline
-    overdue_grace_s: float = 0.0
 
     def __init__(self, engine_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.engine_id = engine_id
@@ -197,11 +56,6 @@ class KVTransport(ABC, Generic[ConnT]):
         #: NIXL cannot call it (one-sided reads never reach the holder's code): there the
         #: claim itself decides what is readable (`expose` / `withdraw`).
         self.read_authorizer = None
-
-    @property
-    @abstractmethod
-    def name(self) -> str:
-        """Short transport name: "nixl" or "tcp"."""
 
     def register(self, pool: torch.Tensor) -> None:
         """Register this worker's KV pool. Call exactly once, before `metadata`.
@@ -352,10 +206,18 @@ class KVTransport(ABC, Generic[ConnT]):
             raise RuntimeError(f"not connected to peer {peer!r}; call connect() first")
         return p
 
+    def _connection(self, peer: str) -> ConnT | None:
+        """`peer`'s transport state, or None when it is not (or no longer) connected."""
+        p = self._peers.get(peer)
+        return None if p is None else p.conn
+
+    def _connections(self) -> list[ConnT]:
+        return [p.conn for p in self._peers.values()]
+
     def _complete(self, h: XferHandle, state: XferState, error: str | None = None) -> None:
         """Mark a PENDING handle DONE or FAILED and count it (once); caller's thread only."""
         if h.state is XferState.PENDING:
-            h._finish(state, error)
+            h.state, h.error, h.finished = state, error, time.monotonic()
             self.stats.finished(h)
 
     def _warn(self, msg: str) -> None:
@@ -363,61 +225,3 @@ class KVTransport(ABC, Generic[ConnT]):
         if msg not in self.warnings:
             self.warnings.append(msg)
             log.warning("%s", msg)
-
-    # What each transport does its own way.
-
-    @abstractmethod
-    def _register_impl(self, pool: torch.Tensor, layout: PoolLayout) -> None:
-        """Make the pool readable by peers (called once, before `layout` is set)."""
-
-    @abstractmethod
-    def _metadata_impl(self, layout: PoolLayout) -> tuple[dict, bytes]:
-        """Transport-specific header fields and opaque blob for `metadata()`."""
-
-    @abstractmethod
-    def _connect_impl(self, peer: str, header: dict, blob: bytes, layout: PoolLayout) -> ConnT:
-        """Connect to a peer whose metadata passed the common checks (any old one is gone)."""
-
-    @abstractmethod
-    def _start_read(self, h: XferHandle, conn: ConnT, notif: bytes) -> None:
-        """Start a non-empty READ; `_complete` it now if it finished or could not start."""
-
-    @abstractmethod
-    def _poll_impl(self, h: XferHandle) -> None:
-        """Look at a PENDING read once and `_complete` it if it finished. Never blocks."""
-
-    @abstractmethod
-    def _poll_overdue(self, h: XferHandle) -> None:
-        """The read is still PENDING `overdue_grace_s` after its deadline: cancel or fail it."""
-
-    @abstractmethod
-    def _release_impl(self, h: XferHandle) -> None:
-        """Free `h.impl`; cancel the read if it is still PENDING."""
-
-    @abstractmethod
-    def _send_notif_impl(self, peer: str, conn: ConnT, msg: bytes) -> None:
-        """Queue a notification to a connected peer; log (never raise) if it is gone."""
-
-    @abstractmethod
-    def _get_notifs_impl(self) -> list[tuple[str, bytes]]:
-        """Notifications received since the last call."""
-
-    @abstractmethod
-    def _disconnect_impl(self, peer: str, conn: ConnT) -> None:
-        """Tear down a peer already removed from the peer table; its reads in flight fail."""
-
-    @abstractmethod
-    def _close_impl(self) -> None:
-        """After every peer is disconnected: stop threads, unregister the pool."""
-
-    @abstractmethod
-    def _health_impl(self) -> dict:
-        """Transport details for `health()`, between the common fields and `peers`."""
-
-    @abstractmethod
-    def _peer_health(self, p: Peer[ConnT]) -> dict:
-        """One peer's entry in `health()["peers"]`."""
-
-    def _live_warnings(self) -> list[str]:
-        """Warnings computed at `health()` time, after the lasting ones (`_warn`)."""
-        return []

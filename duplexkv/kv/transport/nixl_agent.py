@@ -8,8 +8,8 @@ long forward pass would stall its readers for the whole pass (measured: a READ t
 the holder's loop interval, 50 ms -> 187 ms per READ at a 200 ms interval).
 
 Why the agent is STRICT-synchronised: a holder registers and deregisters each claim's blocks on
-the side-channel thread (`NixlTransport.expose`) while the worker's loop READs on the engine
-thread; NIXL's default (NONE) would leave that unsynchronised.
+the side-channel thread (`NixlGrants.expose`, nixl_grants.py) while the worker's loop READs on
+the engine thread; NIXL's default (NONE) would leave that unsynchronised.
 
 Why it must not spin: NIXL's Python wrapper (`nixl_agent`) hard-codes the progress thread's `pthrDelay` to 0, and the
 UCX plugin's thread calls poll() on the UCX event fd with that timeout: 0 means it spins on a

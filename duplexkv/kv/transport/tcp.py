@@ -19,14 +19,10 @@ import time
 import torch
 
 from duplexkv.kv.transport import tcp_wire as w
-from duplexkv.kv.transport.base import (
-    DEFAULT_TIMEOUT_S,
-    KVTransport,
-    Peer,
-    PoolLayout,
-    XferHandle,
-    XferState,
-)
+from duplexkv.kv.transport.base import DEFAULT_TIMEOUT_S, KVTransport
+from duplexkv.kv.transport.handle import XferHandle, XferState
+from duplexkv.kv.transport.hooks import Peer
+from duplexkv.kv.transport.layout import PoolLayout
 from duplexkv.kv.transport.tcp_client import FORCE_FAIL_S, SLICE_S, Job, PeerLink
 from duplexkv.kv.transport.tcp_server import BlockServer
 
@@ -91,9 +87,9 @@ class TcpTransport(KVTransport[PeerLink]):
         job = h.impl
         assert isinstance(job, Job)
         job.cancelled = True
-        p = self._peers.get(h.peer)
-        if p is not None and p.conn.current is job:
-            p.conn.abort()
+        link = self._connection(h.peer)
+        if link is not None and link.current is job:
+            link.abort()
         if job.done.wait(0.05) and job.result is not None:
             self._complete(h, *job.result)
         elif time.monotonic() > h.deadline + FORCE_FAIL_S:
@@ -134,5 +130,5 @@ class TcpTransport(KVTransport[PeerLink]):
         return {"addr": f"{link.addr[0]}:{link.addr[1]}", "connected": link.sock is not None}
 
     def _live_warnings(self) -> list[str]:
-        notif_errors = sum(p.conn.notif_errors for p in self._peers.values())
+        notif_errors = sum(link.notif_errors for link in self._connections())
         return [f"{notif_errors} notifications could not be delivered"] if notif_errors else []

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from duplexkv.kv.transport import tcp_wire as w
-from duplexkv.kv.transport.base import XferHandle, XferState, runs
+from duplexkv.kv.transport.handle import XferHandle, XferState
+from duplexkv.kv.transport.layout import runs
 
 log = logging.getLogger(__name__)
 SLICE_S = 0.25  # socket timeout granularity: deadlines are checked at least this often

@@ -18,7 +18,7 @@ import struct
 import threading
 
 from duplexkv.kv.transport import tcp_wire as w
-from duplexkv.kv.transport.base import PoolLayout, runs
+from duplexkv.kv.transport.layout import PoolLayout, runs
 
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 64
