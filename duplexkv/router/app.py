@@ -9,7 +9,7 @@ layer, so the hot path stays short).
     GET  /metrics      Prometheus
     GET  /version      {"version": ...}, as vLLM
     POST /v1/conversations/{id}/keepalive, DELETE /v1/conversations/{id}
-                       the conversation lifecycle (conversation_routes.py, lifecycle.py)
+                       the conversation lifecycle (conversation/routes.py and lifecycle.py)
 
 Client input is bounded before anything else runs: headers over `max_header_bytes` get a 431,
 bodies over `max_request_bytes` a 413 (read no further), and `request.parse_client_request`
@@ -36,15 +36,15 @@ from duplexkv.http.body import read_body
 from duplexkv.http.errors import APIError, model_not_found
 from duplexkv.http.limits import HeaderLimit
 from duplexkv.http.version import version_endpoint
-from duplexkv.router import conversation_routes
 from duplexkv.router.backends import BackendPool, HealthChecker
 from duplexkv.router.config import RouterConfig
+from duplexkv.router.conversation import routes as conversation_routes
+from duplexkv.router.conversation.lifecycle import LeaseKeeper, LifecycleMetrics
+from duplexkv.router.conversation.store import ConversationStore, make_store
 from duplexkv.router.discovery import Discovery
-from duplexkv.router.lifecycle import LeaseKeeper, LifecycleMetrics
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.proxy import Proxy, Relayed
 from duplexkv.router.request import ENDPOINTS, Kind, parse_client_request
-from duplexkv.router.store import ConversationStore, make_store
 from duplexkv.router.upstream import Upstream
 from duplexkv.router.warmup import PairWarmer
 
@@ -187,7 +187,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
                     exception_handlers={HTTPException: http_error, Exception: unexpected})
     app.state.pool, app.state.store, app.state.metrics = pool, store, metrics
     app.state.discovery = discovery
-    debug_memory.add_route(app, lambda: {"store": len(getattr(store, "_entries", ()))})
+    debug_memory.add_route(app, lambda: {"store": store.held_here()})
     app.state.auth_summary = (f"{len(cfg.api_keys)} client API key(s)" if cfg.api_keys else
                               "no client API key") + (", a worker API key" if cfg.worker_api_key
                                                       else ", no worker API key")

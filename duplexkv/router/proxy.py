@@ -30,7 +30,8 @@ from duplexkv.http.errors import APIError
 from duplexkv.http.sse import SSEResponse
 from duplexkv.router.backends import Backend, BackendPool
 from duplexkv.router.config import RouterConfig
-from duplexkv.router.conversations import Conversations
+from duplexkv.router.conversation.recall import Conversations
+from duplexkv.router.conversation.store import ConversationStore, Entry
 from duplexkv.router.legs import (
     TurnStats,
     decode_body,
@@ -49,7 +50,6 @@ from duplexkv.router.placement import (
     with_prompt_chars,
 )
 from duplexkv.router.request import ClientRequest
-from duplexkv.router.store import ConversationStore, Entry
 from duplexkv.router.stream import DONE, StreamRelay
 from duplexkv.router.upstream import Upstream
 from duplexkv.router.warmup import PairWarmer
@@ -167,8 +167,10 @@ class Proxy:
 
     async def recall(self, turn: Turn) -> None:
         req = turn.req
-        turn.key, turn.entry, turn.stats.conversation = await self.conversations.recall(
-            req.api_key, req.conversation_id, turn.request_id)
+        recalled = await self.conversations.recall(req.api_key, req.conversation_id,
+                                                   turn.request_id)
+        turn.key, turn.entry, turn.stats.conversation = (recalled.key, recalled.entry,
+                                                         recalled.state)
 
     async def remember(self, turn: Turn, d: Backend, params: dict | None,
                        tokens: list[int] | None = None) -> None:
