@@ -34,8 +34,9 @@ from workers import (
 )
 
 from duplexkv import LLM, SamplingParams
-from duplexkv.router.backends import BackendPool, HealthChecker
+from duplexkv.router.backends import BackendPool
 from duplexkv.router.conversation.store import Entry, MemoryStore, RedisStore, conversation_key
+from duplexkv.router.health import HealthChecker
 from duplexkv.router.http_client import FastTransport
 from duplexkv.router.legs import (
     TurnStats,

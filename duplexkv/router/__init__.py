@@ -22,8 +22,9 @@ One turn of a conversation (`conversation_id` in the body, or `X-Session-ID` /
 
 Modules: config (RouterConfig), request (client request, validation, conversation id, tenant),
 conversation/ (conversation state: the store (memory, Redis), recall/remember, the lease keeper,
-the keepalive and delete endpoints), backends (pool, choice, health checks), legs (request rewriting, combined kv_stats), stream (SSE relay), proxy
-(one turn end to end, failure rules), upstream + transport (the HTTP client to the workers),
+the keepalive and delete endpoints), backends (pool, choice), health (health checks), legs
+(request rewriting, combined kv_stats), stream (SSE relay), proxy (one turn end to end, failure
+rules), upstream + transport (the HTTP client to the workers),
 discovery + membership (workers joining and leaving through the Redis registry, --discovery),
 metrics, app (HTTP endpoints), serve (the CLI command). Nothing here imports torch.
 """

@@ -36,12 +36,13 @@ from duplexkv.http.body import read_body
 from duplexkv.http.errors import APIError, model_not_found
 from duplexkv.http.limits import HeaderLimit
 from duplexkv.http.version import version_endpoint
-from duplexkv.router.backends import BackendPool, HealthChecker
+from duplexkv.router.backends import BackendPool
 from duplexkv.router.config import RouterConfig
 from duplexkv.router.conversation import routes as conversation_routes
 from duplexkv.router.conversation.lifecycle import LeaseKeeper, LifecycleMetrics
 from duplexkv.router.conversation.store import ConversationStore, make_store
 from duplexkv.router.discovery import Discovery
+from duplexkv.router.health import HealthChecker
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.proxy import Proxy, Relayed
 from duplexkv.router.request import ENDPOINTS, Kind, parse_client_request
