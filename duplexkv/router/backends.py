@@ -13,6 +13,9 @@
     abandon    a leg in flight to a worker is abandoned when the worker is marked down (again):
                an unreachable host (link down, partition) answers nothing, and a request on a
                pooled connection would otherwise wait for --request-timeout
+    in flight  `outstanding` counts a worker's legs in flight; only `InFlight` (`in_flight(b)`)
+               changes it, +1 when a leg starts and -1 exactly once when it ends, however it
+               ends (answered, failed, cancelled; a streamed answer when its stream closes)
 When every worker of a role is marked down the router still tries them (a mark can be stale):
 the client gets an error only when none answers.
 """
@@ -24,7 +27,7 @@ import logging
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-
+from types import TracebackType
 
 log = logging.getLogger("duplexkv.router")
 
@@ -63,6 +66,15 @@ class Backend:
             self._down = asyncio.Event()
         return self._down
 
+    def note_error(self, last_error: str = "") -> None:
+        """A call to this worker failed (`last_error`: what /health shows, when it says more)."""
+        self.errors += 1
+        if last_error:
+            self.last_error = last_error
+
+    def view(self) -> BackendView:
+        return BackendView(self.url, self.name, self.kind, self.healthy, self.outstanding)
+
     def mark_up(self) -> None:
         if not self.healthy:
             log.info("%s (%s) is up again", self.name, self.url)
@@ -77,6 +89,55 @@ class Backend:
                 "kv_warning": self.kv_warning or None,
                 "last_check_age_s": round(time.monotonic() - self.last_check, 3)
                 if self.last_check else None}
+
+
+@dataclass(frozen=True, slots=True)
+class BackendView:
+    """A worker as a decision sees it at one moment (turn/plan.py): facts, no live object."""
+
+    url: str
+    name: str
+    kind: str | None
+    healthy: bool
+    outstanding: int
+
+
+class InFlight:
+    """One leg's share of its worker's `outstanding`: +1 when made, -1 exactly once (`release`).
+
+    As a context manager (`with in_flight(b) as leg:`) it is given back when the block ends,
+    whatever ends it (a return, an exception, a cancellation), unless the block called `keep()`
+    and then returned normally: a streamed answer's leg stays counted until its stream closes,
+    and its closer calls `release()`."""
+
+    __slots__ = ("backend", "held", "kept")
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend, self.held, self.kept = backend, True, False
+        backend.outstanding += 1
+
+    def keep(self) -> InFlight:
+        """Hand the count on past the block (to be `release()`d by the new owner)."""
+        self.kept = True
+        return self
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.backend.outstanding -= 1
+
+    def __enter__(self) -> InFlight:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is not None or not self.kept:
+            self.release()
+
+
+def in_flight(b: Backend) -> InFlight:
+    """Count a leg to `b` in `b.outstanding` for a `with` block (see InFlight)."""
+    return InFlight(b)
 
 
 @dataclass(slots=True)
@@ -100,6 +161,10 @@ class BackendPool:
     def all(self) -> list[Backend]:
         return self.prefill + self.decode
 
+    def decode_at(self, url: str | None) -> Backend | None:
+        """The decode worker at `url` while it is in the pool (a conversation's D may have left)."""
+        return self.by_url.get(("decode", url)) if url else None
+
     @staticmethod
     def _least_loaded(candidates: list[Backend]) -> Backend | None:
         if not candidates:
@@ -112,7 +177,7 @@ class BackendPool:
         return [b for b in healthy if b.warm] or healthy or left
 
     def choose_prefill(self, exclude: set[Backend] = frozenset()) -> Backend | None:
-        return self._pick(self._least_loaded(self._candidates(self.prefill, exclude)))
+        return self.pick(self._least_loaded(self._candidates(self.prefill, exclude)))
 
     def choose_decode(self, preferred_url: str | None = None,
                       exclude: set[Backend] = frozenset(),
@@ -127,11 +192,12 @@ class BackendPool:
         pref = self.by_url.get(("decode", preferred_url)) if preferred_url else None
         if (pref is not None and least is not None and pref in candidates and pref.healthy
                 and pref.outstanding <= least.outstanding + self.affinity_slack):
-            return self._pick(pref), True
-        return self._pick(least), False
+            return self.pick(pref), True
+        return self.pick(least), False
 
     @staticmethod
-    def _pick(b: Backend | None) -> Backend | None:
+    def pick(b: Backend | None) -> Backend | None:
+        """Count a choice of `b` (ties between equally loaded workers go to the least picked)."""
         if b is not None:
             b.picks += 1
         return b

@@ -12,6 +12,6 @@ long D keeps it.
                entries D has released (never handed out again)
     routes     POST /v1/conversations/{id}/keepalive and DELETE /v1/conversations/{id}
 
-A turn reads this state once at its start (`Recalled`) and writes it once at its end; nothing
-here calls a worker's generation endpoints.
+A turn (router/turn/) reads this state once at its start (`Recalled`) and writes it once at its
+end; nothing here calls a worker's generation endpoints.
 """
