@@ -34,7 +34,9 @@ from workers import (
 )
 
 from duplexkv import LLM, SamplingParams
-from duplexkv.router.backends import BackendPool, HealthChecker
+from duplexkv.router.backends import BackendPool
+from duplexkv.router.conversation.store import Entry, MemoryStore, RedisStore, conversation_key
+from duplexkv.router.health import HealthChecker
 from duplexkv.router.http_client import FastTransport
 from duplexkv.router.legs import (
     TurnStats,
@@ -43,7 +45,6 @@ from duplexkv.router.legs import (
     rewrite_remote_host,
 )
 from duplexkv.router.request import ClientRequest
-from duplexkv.router.store import Entry, MemoryStore, RedisStore, conversation_key
 from duplexkv.router.stream import StreamRelay
 from duplexkv.wire.kv_params import replay_params
 

@@ -24,8 +24,8 @@ import pytest
 from test_router import ARGS, MODEL, _free_port, bidi, start_router
 from workers import start_p_and_d, stopping
 
-from duplexkv.router.breaker import Breaker, BreakerOpen
-from duplexkv.router.store import GuardedStore, MemoryStore
+from duplexkv.router.conversation.breaker import Breaker, BreakerOpen
+from duplexkv.router.conversation.store import GuardedStore, MemoryStore
 
 STORE_TIMEOUT_S = 1.0  # well above a normal request's time, even on a loaded machine
 BREAKER_PERIOD_S = 2.5

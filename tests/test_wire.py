@@ -8,7 +8,8 @@ from dataclasses import fields
 import pytest
 
 from duplexkv.http.openai import parse_request
-from duplexkv.router import proxy, warmup
+from duplexkv.router import warmup
+from duplexkv.router.turn import prefill
 from duplexkv.wire.kv_params import KVTransferParams, miss_params, replay_params
 from duplexkv.wire.sampling import SamplingParams
 
@@ -23,7 +24,7 @@ MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id"
 
 
 def test_the_router_sends_the_wire_payloads():
-    for module in (proxy, warmup):
+    for module in (prefill, warmup):
         assert module.miss_params is miss_params and module.replay_params is replay_params
 
 

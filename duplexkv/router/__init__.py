@@ -21,9 +21,12 @@ One turn of a conversation (`conversation_id` in the body, or `X-Session-ID` /
       |  a time)       | kv_stats = P leg + D leg + router timings          | (decoder TTL)
 
 Modules: config (RouterConfig), request (client request, validation, conversation id, tenant),
-store (ConversationStore: memory, Redis), conversations (recall/remember policy), backends (pool,
-choice, health checks), legs (request rewriting, combined kv_stats), stream (SSE relay), proxy
-(one turn end to end, failure rules), upstream + transport (the HTTP client to the workers),
-discovery + membership (workers joining and leaving through the Redis registry, --discovery),
-metrics, app (HTTP endpoints), serve (the CLI command). Nothing here imports torch.
+turn/ (one turn as a pure plan and small steps: plan, retry policy, P and D legs, runner),
+conversation/ (conversation state: the store (memory, Redis), recall/remember, the lease keeper,
+the keepalive and delete endpoints), backends (pool, choice, in-flight counts), health (health
+checks), placement (decode_local or P), legs (request rewriting, combined kv_stats), stream (SSE
+rewriting), verify (the token check for vLLM P), warmup (vLLM pairs' cold start), upstream +
+http_client (the HTTP client to the workers), discovery + membership (workers joining and
+leaving through the Redis registry, --discovery), metrics, app (HTTP endpoints), serve (the CLI
+command). Nothing here imports torch.
 """

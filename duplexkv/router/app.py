@@ -1,7 +1,7 @@
 """The router's HTTP app (Starlette, the toolkit FastAPI is built on; no per-request validation
 layer, so the hot path stays short).
 
-    POST /v1/chat/completions, /v1/completions   one P leg + one D leg (proxy.Proxy)
+    POST /v1/chat/completions, /v1/completions   a turn: one P leg + one D leg (turn/runner.py)
     GET  /v1/models    the workers' models (from the first healthy worker that answers)
     GET  /health       per-backend state; 503 while no P or no D is healthy; status "degraded"
                        (200) while the conversation store is failing (turns run as misses);
@@ -9,7 +9,7 @@ layer, so the hot path stays short).
     GET  /metrics      Prometheus
     GET  /version      {"version": ...}, as vLLM
     POST /v1/conversations/{id}/keepalive, DELETE /v1/conversations/{id}
-                       the conversation lifecycle (conversation_routes.py, lifecycle.py)
+                       the conversation lifecycle (conversation/routes.py and lifecycle.py)
 
 Client input is bounded before anything else runs: headers over `max_header_bytes` get a 431,
 bodies over `max_request_bytes` a 413 (read no further), and `request.parse_client_request`
@@ -36,15 +36,19 @@ from duplexkv.http.body import read_body
 from duplexkv.http.errors import APIError, model_not_found
 from duplexkv.http.limits import HeaderLimit
 from duplexkv.http.version import version_endpoint
-from duplexkv.router import conversation_routes
-from duplexkv.router.backends import BackendPool, HealthChecker
+from duplexkv.router.backends import BackendPool
 from duplexkv.router.config import RouterConfig
+from duplexkv.router.conversation import routes as conversation_routes
+from duplexkv.router.conversation.lifecycle import LeaseKeeper, LifecycleMetrics
+from duplexkv.router.conversation.recall import Conversations
+from duplexkv.router.conversation.store import ConversationStore, make_store
 from duplexkv.router.discovery import Discovery
-from duplexkv.router.lifecycle import LeaseKeeper, LifecycleMetrics
+from duplexkv.router.health import HealthChecker
 from duplexkv.router.metrics import RouterMetrics
-from duplexkv.router.proxy import Proxy, Relayed
 from duplexkv.router.request import ENDPOINTS, Kind, parse_client_request
-from duplexkv.router.store import ConversationStore, make_store
+from duplexkv.router.turn.calls import Relayed
+from duplexkv.router.turn.context import Turn
+from duplexkv.router.turn.runner import TurnRunner
 from duplexkv.router.upstream import Upstream
 from duplexkv.router.warmup import PairWarmer
 
@@ -69,19 +73,20 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
     discovery = Discovery.configure(cfg, pool, metrics)
     keeper = LeaseKeeper(None, cfg.worker_headers(), cfg.lease_renew_period_s,
                          cfg.request_timeout_s, LifecycleMetrics(metrics.registry))
+    conversations = Conversations(store, metrics, cfg.rewrite_remote_host, keeper)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         upstream = Upstream(cfg)
         warmer = PairWarmer(pool, upstream, cfg.worker_headers(), cfg.warmup_timeout_s,
                             cfg.rewrite_remote_host, metrics.warmups)
-        state["proxy"] = Proxy(cfg, pool, store, metrics, upstream, warmer)
+        state["upstream"] = upstream
+        state["turns"] = TurnRunner(cfg, pool, conversations, metrics, upstream, warmer)
         checker = HealthChecker(pool, upstream.client, cfg.health_interval_s,
                                 cfg.health_timeout_s, on_up=warmer.on_up,
                                 on_round=warmer.checked.set)
         checker.start()
         keeper.client = upstream.client
-        state["proxy"].conversations.keeper = keeper
         keeper.start(lambda: [b.url for b in pool.decode])  # discovery may change the list
         if discovery is not None:
             discovery.start()
@@ -98,7 +103,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
 
     async def generate(request: Request, kind: Kind) -> Response:
         arrival = time.perf_counter()
-        proxy: Proxy = state["proxy"]
+        turns: TurnRunner = state["turns"]
         try:
             raw = await read_body(request, cfg.max_request_bytes)
             req = parse_client_request(raw, request.headers, kind, cfg.max_json_depth,
@@ -111,9 +116,9 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
         except APIError as e:
             metrics.requests.labels(ENDPOINTS[kind], e.outcome).inc()
             return e.response()
-        turn = proxy.new_turn(req, arrival)
+        turn = Turn.start(req, arrival)
         try:
-            return await proxy.run(turn)
+            return await turns.run(turn)
         except Relayed as e:
             outcome = "upstream_4xx" if e.status < 500 else "upstream_error"
             metrics.requests.labels(req.endpoint, outcome).inc()
@@ -129,7 +134,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
         return await generate(request, "completion")
 
     async def models(_: Request) -> Response:
-        client = state["proxy"].upstream.client
+        client = state["upstream"].client
         for b in sorted(pool.all, key=lambda b: not b.healthy):
             with contextlib.suppress(httpx.HTTPError, ValueError, TypeError, AttributeError):
                 r = await client.get(b.url + "/v1/models", timeout=cfg.health_timeout_s)
@@ -187,7 +192,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
                     exception_handlers={HTTPException: http_error, Exception: unexpected})
     app.state.pool, app.state.store, app.state.metrics = pool, store, metrics
     app.state.discovery = discovery
-    debug_memory.add_route(app, lambda: {"store": len(getattr(store, "_entries", ()))})
+    debug_memory.add_route(app, lambda: {"store": store.held_here()})
     app.state.auth_summary = (f"{len(cfg.api_keys)} client API key(s)" if cfg.api_keys else
                               "no client API key") + (", a worker API key" if cfg.worker_api_key
                                                       else ", no worker API key")

@@ -1,4 +1,4 @@
-"""The worker pool: per-backend health and load, the P/D choice, and the health-check loop.
+"""The worker pool: per-backend health and load, and the P/D choice (health.py checks them).
 
     choose P   least outstanding requests among healthy prefill workers
     choose D   the conversation's D (its prefix cache already holds the history, so the P->D read
@@ -8,11 +8,14 @@
     warm       a healthy worker none of whose NIXL channels is open yet (router/warmup.py) is
                picked only when no warm healthy one of its role is left; a D whose channel with
                the turn's P is still being opened, only when no other warm D is left
-    health     GET /health every `interval`; a refused connection marks a worker down at once,
-               `unhealthy_after` failed checks in a row otherwise; one good check marks it up
+    health     health.py: a refused connection marks a worker down at once, `unhealthy_after`
+               failed checks in a row otherwise; one good check marks it up
     abandon    a leg in flight to a worker is abandoned when the worker is marked down (again):
                an unreachable host (link down, partition) answers nothing, and a request on a
                pooled connection would otherwise wait for --request-timeout
+    in flight  `outstanding` counts a worker's legs in flight; only `InFlight` (`in_flight(b)`)
+               changes it, +1 when a leg starts and -1 exactly once when it ends, however it
+               ends (answered, failed, cancelled; a streamed answer when its stream closes)
 When every worker of a role is marked down the router still tries them (a mark can be stale):
 the client gets an error only when none answers.
 """
@@ -22,13 +25,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
-
-import httpx
-
-from duplexkv.router.verify import block_size_from_metrics
+from types import TracebackType
 
 log = logging.getLogger("duplexkv.router")
 
@@ -67,6 +66,15 @@ class Backend:
             self._down = asyncio.Event()
         return self._down
 
+    def note_error(self, last_error: str = "") -> None:
+        """A call to this worker failed (`last_error`: what /health shows, when it says more)."""
+        self.errors += 1
+        if last_error:
+            self.last_error = last_error
+
+    def view(self) -> BackendView:
+        return BackendView(self.url, self.name, self.kind, self.healthy, self.outstanding)
+
     def mark_up(self) -> None:
         if not self.healthy:
             log.info("%s (%s) is up again", self.name, self.url)
@@ -81,6 +89,55 @@ class Backend:
                 "kv_warning": self.kv_warning or None,
                 "last_check_age_s": round(time.monotonic() - self.last_check, 3)
                 if self.last_check else None}
+
+
+@dataclass(frozen=True, slots=True)
+class BackendView:
+    """A worker as a decision sees it at one moment (turn/plan.py): facts, no live object."""
+
+    url: str
+    name: str
+    kind: str | None
+    healthy: bool
+    outstanding: int
+
+
+class InFlight:
+    """One leg's share of its worker's `outstanding`: +1 when made, -1 exactly once (`release`).
+
+    As a context manager (`with in_flight(b) as leg:`) it is given back when the block ends,
+    whatever ends it (a return, an exception, a cancellation), unless the block called `keep()`
+    and then returned normally: a streamed answer's leg stays counted until its stream closes,
+    and its closer calls `release()`."""
+
+    __slots__ = ("backend", "held", "kept")
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend, self.held, self.kept = backend, True, False
+        backend.outstanding += 1
+
+    def keep(self) -> InFlight:
+        """Hand the count on past the block (to be `release()`d by the new owner)."""
+        self.kept = True
+        return self
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.backend.outstanding -= 1
+
+    def __enter__(self) -> InFlight:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is not None or not self.kept:
+            self.release()
+
+
+def in_flight(b: Backend) -> InFlight:
+    """Count a leg to `b` in `b.outstanding` for a `with` block (see InFlight)."""
+    return InFlight(b)
 
 
 @dataclass(slots=True)
@@ -104,6 +161,10 @@ class BackendPool:
     def all(self) -> list[Backend]:
         return self.prefill + self.decode
 
+    def decode_at(self, url: str | None) -> Backend | None:
+        """The decode worker at `url` while it is in the pool (a conversation's D may have left)."""
+        return self.by_url.get(("decode", url)) if url else None
+
     @staticmethod
     def _least_loaded(candidates: list[Backend]) -> Backend | None:
         if not candidates:
@@ -116,7 +177,7 @@ class BackendPool:
         return [b for b in healthy if b.warm] or healthy or left
 
     def choose_prefill(self, exclude: set[Backend] = frozenset()) -> Backend | None:
-        return self._pick(self._least_loaded(self._candidates(self.prefill, exclude)))
+        return self.pick(self._least_loaded(self._candidates(self.prefill, exclude)))
 
     def choose_decode(self, preferred_url: str | None = None,
                       exclude: set[Backend] = frozenset(),
@@ -131,11 +192,12 @@ class BackendPool:
         pref = self.by_url.get(("decode", preferred_url)) if preferred_url else None
         if (pref is not None and least is not None and pref in candidates and pref.healthy
                 and pref.outstanding <= least.outstanding + self.affinity_slack):
-            return self._pick(pref), True
-        return self._pick(least), False
+            return self.pick(pref), True
+        return self.pick(least), False
 
     @staticmethod
-    def _pick(b: Backend | None) -> Backend | None:
+    def pick(b: Backend | None) -> Backend | None:
+        """Count a choice of `b` (ties between equally loaded workers go to the least picked)."""
         if b is not None:
             b.picks += 1
         return b
@@ -151,93 +213,3 @@ class BackendPool:
     def state(self) -> dict:
         return {"prefill": [b.as_dict() for b in self.prefill],
                 "decode": [b.as_dict() for b in self.decode]}
-
-
-class HealthChecker:
-    """Polls every worker's /health (and /v1/models once it is up) on the router's client."""
-
-    def __init__(self, pool: BackendPool, client: httpx.AsyncClient, interval_s: float,
-                 timeout_s: float, on_up: Callable[[Backend], None] | None = None,
-                 on_round: Callable[[], None] | None = None) -> None:
-        self.pool = pool
-        self.on_up = on_up  # called when a worker comes up (its kind learned): warmup.py
-        self.on_round = on_round  # called after each round of checks
-        self.client = client
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(b) for b in self.pool.all))
-
-    async def _loop(self) -> None:
-        while True:
-            await self.check_all()
-            if self.on_round is not None:
-                self.on_round()
-            await asyncio.sleep(self.interval_s)
-
-    async def check(self, b: Backend) -> None:
-        try:
-            r = await self.client.get(b.url + "/health", timeout=self.timeout_s)
-            ok, reason = r.status_code == 200, f"/health returned {r.status_code}"
-        except httpx.ConnectError as e:
-            ok, reason = False, f"connection failed ({type(e).__name__})"
-            b.failed_checks = self.pool.unhealthy_after  # nothing listens there: down at once
-        except httpx.HTTPError as e:
-            ok, reason = False, f"/health failed ({type(e).__name__})"
-        b.last_check = time.monotonic()
-        if ok:
-            self._check_kv_address(b, r)
-            came_up = not b.models or not b.healthy
-            if came_up:
-                await self._learn_models(b)
-            b.mark_up()
-            if came_up and b.models and self.on_up is not None:
-                self.on_up(b)
-            return
-        b.failed_checks += 1
-        if b.failed_checks >= self.pool.unhealthy_after:
-            b.mark_down(reason)
-
-    def _check_kv_address(self, b: Backend, r: httpx.Response) -> None:
-        """A worker reached over the network whose KV plane advertises loopback: peers on other
-        hosts cannot pull from it (each such turn recomputes). Said once in the log (with the
-        address) and in /health (without it)."""
-        try:
-            side = r.json().get("kv_transfer", {}).get("side_channel", "")
-        except (ValueError, AttributeError):
-            return
-        host = urlsplit(b.url).hostname or ""
-        kv_host = side.rsplit(":", 1)[0] if isinstance(side, str) else ""
-        loop = ("127.", "::1", "[::1]", "localhost")
-        if kv_host.startswith(loop) and not host.startswith(loop):
-            warning = ("its KV plane listens on loopback only: workers on other hosts cannot "
-                       "read its KV (set VLLM_NIXL_SIDE_CHANNEL_HOST on it)")
-            if not b.kv_warning:
-                log.error("%s (%s): %s, advertised %s", b.name, b.url, warning, side)
-            b.kv_warning = warning
-        else:
-            b.kv_warning = ""
-
-    async def _learn_models(self, b: Backend) -> None:
-        try:
-            r = await self.client.get(b.url + "/v1/models", timeout=self.timeout_s)
-            data = r.json().get("data") if r.status_code == 200 else None
-            if isinstance(data, list):
-                b.models = tuple(m["id"] for m in data if isinstance(m, dict) and "id" in m)
-                owner = data[0].get("owned_by") if data and isinstance(data[0], dict) else None
-                b.kind = owner[:32] if isinstance(owner, str) and owner else None
-            if b.kind == "vllm":
-                r = await self.client.get(b.url + "/metrics", timeout=self.timeout_s)
-                b.block_size = block_size_from_metrics(r.text) if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            pass

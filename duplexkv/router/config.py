@@ -55,8 +55,8 @@ class RouterConfig:
     # the store (turns run as misses) for this long after a failure before one call probes it
     store_timeout_s: float = 0.5
     store_breaker_period_s: float = 5.0
-    # conversation lifecycle (lifecycle.py): how often D's leases of active conversations are
-    # renewed (and its release notices fetched), and a keepalive's default length
+    # conversation lifecycle (conversation/lifecycle.py): how often D's leases of active
+    # conversations are renewed (and its release notices fetched), and a keepalive's default length
     lease_renew_period_s: float = 10.0
     keepalive_s: float = 60.0
     # API keys (never in a repr or a log): the clients' (none: the router is open and conversation

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from duplexkv.router.backends import Backend
+from duplexkv.router.backends import BackendView
 
 PROMPT_CHARS_KEY = "_duplexkv_prompt_chars"  # stored with D's params; "_" keys never leave us
 PLACEMENTS = ("decode_local", "prefill_pull", "prefill_recompute")
@@ -84,8 +84,10 @@ def estimate_suffix(params: dict, chars_now: int | None) -> int | None:
     return max(0, round((chars_now - before) * tokens / before))
 
 
-def choose(cfg: PlacementConfig, params: dict | None, decode: Backend | None,
+def choose(cfg: PlacementConfig, params: dict | None, decode: BackendView | None,
            chars_now: int | None) -> Placement:
+    """Where the turn's prefill runs: `params` are D's stored params (None: no history),
+    `decode` the D they name as the pool sees it now."""
     if cfg.mode == "prefill":
         return Placement(False, "placement_prefill")
     if not params:

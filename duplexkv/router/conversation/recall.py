@@ -1,4 +1,4 @@
-"""Conversation state as the router uses it: which entry a turn replays, and what it keeps.
+"""A conversation's turns as the router uses them: which entry a turn replays, what it keeps.
 
     recall     (api key, conversation id) -> the stored entry, taken (single use); no id -> none
     remember   D's params of a finished turn (remote_host fixed up if loopback) -> the store;
@@ -21,29 +21,32 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import NamedTuple
+from dataclasses import dataclass
 
-from duplexkv.router.breaker import BreakerOpen
+from duplexkv.router.conversation.breaker import BreakerOpen
+from duplexkv.router.conversation.lifecycle import LeaseKeeper
+from duplexkv.router.conversation.store import ConversationStore, Entry, conversation_key
 from duplexkv.router.legs import rewrite_remote_host, shares_our_clock
-from duplexkv.router.lifecycle import LeaseKeeper
 from duplexkv.router.metrics import RouterMetrics
-from duplexkv.router.store import ConversationStore, Entry, conversation_key
 
 log = logging.getLogger("duplexkv.router")
 EXPIRY_MARGIN_S = 1.0  # D's blocks must outlive the P leg's read by this much
 
 
-class Recalled(NamedTuple):
-    key: str | None  # None: the request names no conversation
-    entry: Entry | None
+@dataclass(frozen=True, slots=True)
+class Recalled:
+    """What the store held for a turn's conversation when the turn began."""
+
+    key: str | None  # the store key; None: the request names no conversation
+    entry: Entry | None  # the entry to replay (taken: no other turn gets it); None: a miss
     state: str  # none | miss | expired | invalidated | hit | not_retained
 
 
 class Conversations:
     def __init__(self, store: ConversationStore, metrics: RouterMetrics,
-                 rewrite_host: bool = True) -> None:
+                 rewrite_host: bool = True, keeper: LeaseKeeper | None = None) -> None:
         self.store, self.metrics, self.rewrite_host = store, metrics, rewrite_host
-        self.keeper: LeaseKeeper | None = None  # set by the app when it starts
+        self.keeper = keeper  # lifecycle.py: renews the leases of active conversations
         self._warned: set[str] = set()  # D workers already logged as not retaining
 
     async def recall(self, api_key: str | None, conversation_id: str | None,

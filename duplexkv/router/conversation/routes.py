@@ -27,8 +27,8 @@ from starlette.routing import Route
 from duplexkv.http.auth import api_key_of
 from duplexkv.http.body import read_body
 from duplexkv.http.errors import APIError, bad_request
-from duplexkv.router.lifecycle import LeaseKeeper
-from duplexkv.router.store import ConversationStore, conversation_key
+from duplexkv.router.conversation.lifecycle import LeaseKeeper
+from duplexkv.router.conversation.store import ConversationStore, conversation_key
 
 MAX_ID_CHARS = 1024
 MAX_BODY = 4096

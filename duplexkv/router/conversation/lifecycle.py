@@ -31,7 +31,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from duplexkv.http import retention_sync as rs
-from duplexkv.router.store import Entry
+from duplexkv.router.conversation.store import Entry
 
 log = logging.getLogger("duplexkv.router")
 DROPPED_PER_D = 65536  # release notices remembered per D (oldest first out)
@@ -84,7 +84,7 @@ class LeaseKeeper:
         self.decode_urls: Callable[[], list[str]] = list
         self._task: asyncio.Task | None = None
 
-    # proxy hooks (via Conversations) -------------------------------------------------------
+    # a turn's hooks (via Conversations, recall.py) ---------------------------------------
     def is_dropped(self, entry: Entry) -> bool:
         rid = retained_id(entry)
         return rid is not None and rid in self.dropped.get(entry.decode_url, ())

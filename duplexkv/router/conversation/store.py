@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 from duplexkv.discovery.record import redact
-from duplexkv.router.breaker import Breaker
+from duplexkv.router.conversation.breaker import Breaker
 from duplexkv.router.verify import token_list
 
 
@@ -97,6 +97,10 @@ class ConversationStore(ABC):
         """ok | degraded (failing recently: turns run as misses)."""
         return "ok"
 
+    def held_here(self) -> int:
+        """Entries held in this process's memory (GET /debug/memory); 0 for a remote store."""
+        return 0
+
 
 class MemoryStore(ConversationStore):
     """One process: an OrderedDict in expiry order (one TTL for all: put order = expiry order)."""
@@ -131,6 +135,9 @@ class MemoryStore(ConversationStore):
         return PutResult(expired, evicted)
 
     async def size(self) -> int:
+        return len(self._entries)
+
+    def held_here(self) -> int:
         return len(self._entries)
 
     async def peek(self, key: str) -> Entry | None:
