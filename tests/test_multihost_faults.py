@@ -1,0 +1,120 @@
+"""Faults across hosts at the router's and workers' default settings (issue 30): every process in
+a network namespace of its own (duplexkv/hosts), started without any timeout or health-check
+override. Each fault turn must be answered, equal to an undisturbed greedy float32 run, and at
+most ~2 s slower than a healthy turn. Needs root (CI runs as root)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from duplexkv.hosts.netns import Network, can_build
+
+ok, why = can_build()
+pytestmark = pytest.mark.skipif(not ok, reason=why)
+
+ARGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "1024")
+SYSTEM = "You are a careful coding agent. Read the tool output, then answer with the next command."
+OUT = 16
+EXTRA_S = 2.5  # the issue's bound: ~2 s beyond a healthy turn
+
+
+@pytest.fixture(scope="module")
+def hosts(tiny_model_dir, tmp_path_factory):
+    from duplexkv.hosts.cluster import HostCluster
+
+    with Network(["r", "p", "d0", "d1"]) as net:
+        hc = HostCluster(net, str(tiny_model_dir), tmp_path_factory.mktemp("faults"))
+        p = hc.worker("p", "prefill-p", *ARGS, "--no-enable-prefix-caching")
+        ds = [hc.worker(h, f"decode-{h}", *ARGS) for h in ("d0", "d1")]
+        hc.ready([p, *ds])
+        r = hc.router("r", "router", [p], ds)  # the defaults: no option at all
+        # the P leg on every turn (auto places short turns on D): P's decline steers D's leg
+        rp = hc.router("r", "router-prefill", [p], ds, "--placement", "prefill", port=8001)
+        hc.ready([r, rp])
+        yield net, p, ds, {"auto": r, "prefill": rp}
+
+
+def user(t: int) -> dict:
+    return {"role": "user", "content": f"tool output {t}: " + "ok; " * (8 + 6 * t)}
+
+
+def chat(url: str, messages: list[dict], conv: str) -> tuple[str, dict, float]:
+    body = {"model": "tiny", "messages": messages, "max_tokens": OUT, "temperature": 0,
+            "ignore_eos": True, "conversation_id": conv}
+    t = time.perf_counter()
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    took = time.perf_counter() - t
+    assert r.status_code == 200, r.text
+    j = r.json()
+    return j["choices"][0]["message"]["content"], j["kv_stats"], took
+
+
+def decode_picks(r) -> list[int]:
+    return [w["picks"] for w in httpx.get(r.url + "/health", timeout=5).json()["decode"]]
+
+
+def wait_all_up(r, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        h = httpx.get(r.url + "/health", timeout=5).json()
+        if all(w["healthy"] and not w["suspect"] for role in ("prefill", "decode")
+               for w in h[role]):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"workers not up again: {h}")
+
+
+def two_turns(r, oracle, fault=None, heal=None) -> tuple[float, dict]:
+    """A conversation's second turn, with `fault(d_host)` applied to its D's host between the
+    turns -> (its time, its kv_stats)."""
+    conv, messages = f"f-{uuid.uuid4().hex[:8]}", [{"role": "system", "content": SYSTEM},
+                                                    user(1)]
+    before = decode_picks(r)
+    text, _, _ = chat(r.url, messages, conv)
+    after = decode_picks(r)
+    d = ["d0", "d1"][[a - b for a, b in zip(after, before)].index(1)]
+    messages += [{"role": "assistant", "content": text}, user(2)]
+    if fault:
+        fault(d)
+    try:
+        text, stats, took = chat(r.url, messages, conv)
+    finally:
+        if heal:
+            heal(d)
+    assert text == oracle(messages, OUT).text, "the fault turn's answer differs"
+    return took, stats
+
+
+def healthy(r, oracle) -> float:
+    return min(two_turns(r, oracle)[0] for _ in range(2))
+
+
+@pytest.mark.parametrize("placement", ["auto", "prefill"])
+def test_link_of_the_conversations_d_cut_between_turns(hosts, oracle, placement):
+    """Finding (a): the next turn took 23.0 s at the defaults (P declined its pull in 1 s, then
+    the router sent the D leg to the same black-holed D and waited for its health checks)."""
+    net, p, ds, routers = hosts
+    r = routers[placement]
+    base = healthy(r, oracle)
+    took, stats = two_turns(r, oracle, lambda d: net.link(d, up=False),
+                            lambda d: net.link(d, up=True))
+    print(f"D link cut ({placement}): healthy turn {base:.2f} s, fault turn {took:.2f} s")
+    if placement == "prefill":  # P said it could not reach D: the D leg went elsewhere
+        assert stats["prefill"]["pull_outcome"] in ("unreachable", "peer_down"), stats
+    assert took <= base + EXTRA_S, f"{took:.1f} s (healthy {base:.2f} s)"
+    wait_all_up(r)
+
+
+def test_router_d_partition_between_turns(hosts, oracle):
+    net, p, ds, routers = hosts
+    r = routers["auto"]
+    base = healthy(r, oracle)
+    took, stats = two_turns(r, oracle, lambda d: net.partition("r", d),
+                            lambda d: net.heal("r", d))
+    print(f"router<->D partition: healthy turn {base:.2f} s, fault turn {took:.2f} s")
+    assert took <= base + EXTRA_S, f"{took:.1f} s (healthy {base:.2f} s)"
+    wait_all_up(r)
