@@ -4,10 +4,12 @@ greedy float32 run of the same prompt (tests/conftest.py's oracle)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 from test_router import ARGS, OUT, SYSTEM, bidi, chat, conv, start_router, user
 from workers import start_worker, stopping
@@ -87,3 +89,76 @@ def _wait_up(r, timeout_s: float = 30) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"workers not up again: {h}")
+
+
+LONG = 240  # tokens: long enough that the fault lands while D streams
+
+
+def stream_with_fault(r, messages, fault, after: int = 4) -> tuple[str, dict, int, list]:
+    """A streamed chat answer of LONG tokens; `fault(d)` is applied to the D streaming it once
+    `after` content events have arrived -> (text, usage, events seen before the fault, errors)."""
+    body = {"model": "tiny", "messages": messages, "max_tokens": LONG, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    parts, usage, errors, seen, faulted = [], None, [], 0, None
+    with httpx.stream("POST", r.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                errors.append(obj)
+                continue
+            for c in obj.get("choices") or []:
+                text = (c.get("delta") or {}).get("content")
+                if text:
+                    parts.append(text)
+                    seen += faulted is None
+            usage = obj.get("usage") or usage
+            if faulted is None and seen >= after:
+                faulted = fault()
+    return "".join(parts), usage, seen, errors
+
+
+def streaming_d(r, ds):
+    """The D with a leg in flight (the router's view)."""
+    h = r.get("/health").json()["decode"]
+    busy = [d for d, w in zip(ds, h) if w["outstanding"] > 0]
+    assert len(busy) == 1, h
+    return busy[0]
+
+
+def _mid_stream(cluster, oracle, sig) -> None:
+    p, d1, d2, r = cluster
+    messages = [{"role": "system", "content": SYSTEM}, user(5)]
+    hit: list = []
+
+    def fault():
+        d = streaming_d(r, (d1, d2))
+        d.proc.send_signal(sig)
+        hit.append(d)
+        return d
+
+    try:
+        text, usage, seen, errors = stream_with_fault(r, messages, fault)
+    finally:
+        for d in hit:
+            if sig == signal.SIGSTOP:
+                d.proc.send_signal(signal.SIGCONT)
+    assert hit and not errors, errors
+    assert seen < LONG
+    assert usage["completion_tokens"] == LONG, usage
+    assert text == oracle(messages, LONG).text  # token for token, as an undisturbed run
+    assert r.metric("duplexkv_router_upstream_errors_total", kind="migrated",
+                    role="decode") >= 1
+
+
+def test_d_hung_mid_stream_is_continued_on_another_d(cluster, oracle):
+    _mid_stream(cluster, oracle, signal.SIGSTOP)
+    _wait_up(cluster[3])
+
+
+def test_d_killed_mid_stream_is_continued_on_another_d(cluster, oracle):
+    """Finding (c): a D killed while streaming ended the client's stream with an error event
+    (502) and [DONE]; the router knew the prompt and every token sent, yet nothing continued."""
+    _mid_stream(cluster, oracle, signal.SIGKILL)

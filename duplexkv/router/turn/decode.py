@@ -10,7 +10,9 @@ the conversation's store, for the next turn.
              tokens (`return_token_ids`) for the next turn's check (verify.py); they are
              removed from the answer unless the client asked for them
     JSON     D's answer without kv_transfer_params, with the combined kv_stats (legs.py)
-    stream   D's events relayed as they come (stream_leg.py)
+    stream   D's events relayed as they come (stream_leg.py), with D's token ids (removed
+             unless the client asked for them): a D that breaks mid-stream has the answer
+             continued on another D (migrate.py)
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from duplexkv.router.placement import OURS, with_prompt_chars
 from duplexkv.router.stream import StreamRelay
 from duplexkv.router.turn.calls import Relayed, Unreachable, WorkerCalls, no_worker
 from duplexkv.router.turn.context import Turn
+from duplexkv.router.turn.migrate import Migration, migratable
 from duplexkv.router.turn.plan import DecodeOrder
 from duplexkv.router.turn.retry import ANSWER, TRANSPORT, UNREACHABLE, Failure, Next, RetryPolicy
 from duplexkv.router.turn.stream_leg import StreamLeg
@@ -81,9 +84,11 @@ class DecodeLeg:
                       avoid: frozenset[Backend]) -> Response:
         d = (opened := await self._open(turn, order, avoid, stream=True)).d
         relay = StreamRelay(turn.stats, turn.arrival, tokens=_learns_tokens(turn, order, d),
-                            strip_tokens=not _client_wants_tokens(turn))
+                            strip_tokens=not _client_wants_tokens(turn),
+                            collect=migratable(turn.req.body))
+        migration = Migration(self.pool, self.calls, turn, relay) if relay.collecting else None
         leg = StreamLeg(turn, d, opened.resp, opened.count, relay, self.metrics,
-                        partial(self._remember, turn, order, d), self.calls.liveness)
+                        partial(self._remember, turn, order, d), self.calls.liveness, migration)
         return SSEResponse(leg.events(), on_close=leg.close,
                            headers={"X-Request-Id": turn.request_id, "Cache-Control": "no-cache"})
 
@@ -114,8 +119,8 @@ class DecodeLeg:
         body = decode_body(turn.req, order.params)
         last = "no decode worker is configured"
         for d in self._candidates(order, avoid):
-            leg_body = {**body, "return_token_ids": True} if _learns_tokens(turn, order, d) \
-                else body
+            ids = _learns_tokens(turn, order, d) or (stream and migratable(turn.req.body))
+            leg_body = {**body, "return_token_ids": True} if ids else body
             failure = None
             with in_flight(d) as count:
                 try:

@@ -21,7 +21,9 @@ from duplexkv.router.legs import dumps
 from duplexkv.router.liveness import Liveness, WentDown
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.stream import DONE, StreamRelay
+from duplexkv.router.turn.calls import Unreachable
 from duplexkv.router.turn.context import Turn
+from duplexkv.router.turn.migrate import Migration
 
 log = logging.getLogger("duplexkv.router")
 perf = time.perf_counter
@@ -33,9 +35,9 @@ Remember = Callable[[dict | None, list[int] | None], Awaitable[None]]
 class StreamLeg:
     def __init__(self, turn: Turn, d: Backend, resp: httpx.Response, count: InFlight,
                  relay: StreamRelay, metrics: RouterMetrics, remember: Remember,
-                 liveness: Liveness) -> None:
+                 liveness: Liveness, migration: Migration | None = None) -> None:
         self.turn, self.d, self.resp, self.count = turn, d, resp, count
-        self.liveness = liveness
+        self.liveness, self.migration = liveness, migration
         self.relay, self.metrics, self.remember = relay, metrics, remember
         self.headers_at = perf()
         self.outcome = "aborted"  # until the client has received [DONE] (or D's whole body)
@@ -71,15 +73,33 @@ class StreamLeg:
                 log.info("%s: decode stream from %s broke after [DONE]: %r",
                          turn.request_id, d.url, e)
                 return
-            # D went away mid-stream: tell the client in the stream
             log.warning("%s: decode stream from %s broke: %r", turn.request_id, d.url, e)
-            self.outcome = "upstream_error"
             m.upstream_errors.labels("decode", "stream").inc()
-            err = APIError(502, f"the decode worker's stream broke ({d.name}: "
-                           f"{type(e).__name__})", type="server_error")
-            yield b"data: " + dumps(err.body()) + b"\n\ndata: [DONE]\n\n"
+            self.count.release()  # D's part is over
+            self.liveness.suspect(d, f"its stream broke ({type(e).__name__})")
+            async for event in self._migrated(e):
+                yield event
         finally:
             await self.close()
+
+    async def _migrated(self, e: Exception) -> AsyncIterator[bytes]:
+        """The rest of the answer from another D (migrate.py), else an error event."""
+        try:
+            if self.migration is None:
+                raise Unreachable("the stream cannot be continued elsewhere")
+            self.metrics.upstream_errors.labels("decode", "migrated").inc()
+            async for event in self.migration.events(self.d):
+                yield event
+                if event.startswith(DONE):
+                    self.delivered = True
+            self.outcome = "ok" if self.delivered and not self.relay.error else "upstream_error"
+            return
+        except Unreachable as why:
+            log.warning("%s: %s", self.turn.request_id, why)
+        self.outcome = "upstream_error"
+        err = APIError(502, f"the decode worker's stream broke ({self.d.name}: "
+                       f"{type(e).__name__})", type="server_error")
+        yield b"data: " + dumps(err.body()) + b"\n\n" + DONE + b"\n\n"
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         """D's body as it comes, each wait watched (liveness.py): WentDown when D went down."""
