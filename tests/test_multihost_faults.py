@@ -26,14 +26,15 @@ EXTRA_S = 2.5  # the issue's bound: ~2 s beyond a healthy turn
 def hosts(tiny_model_dir, tmp_path_factory):
     from duplexkv.hosts.cluster import HostCluster
 
-    with Network(["r", "p", "d0", "d1"]) as net:
+    with Network(["r", "p0", "p1", "d0", "d1"]) as net:
         hc = HostCluster(net, str(tiny_model_dir), tmp_path_factory.mktemp("faults"))
-        p = hc.worker("p", "prefill-p", *ARGS, "--no-enable-prefix-caching")
+        p = [hc.worker(h, f"prefill-{h}", *ARGS, "--no-enable-prefix-caching")
+             for h in ("p0", "p1")]
         ds = [hc.worker(h, f"decode-{h}", *ARGS) for h in ("d0", "d1")]
-        hc.ready([p, *ds])
-        r = hc.router("r", "router", [p], ds)  # the defaults: no option at all
+        hc.ready([*p, *ds])
+        r = hc.router("r", "router", p, ds)  # the defaults: no option at all
         # the P leg on every turn (auto places short turns on D): P's decline steers D's leg
-        rp = hc.router("r", "router-prefill", [p], ds, "--placement", "prefill", port=8001)
+        rp = hc.router("r", "router-prefill", p, ds, "--placement", "prefill", port=8001)
         hc.ready([r, rp])
         yield net, p, ds, {"auto": r, "prefill": rp}
 
@@ -55,6 +56,19 @@ def chat(url: str, messages: list[dict], conv: str) -> tuple[str, dict, float]:
 
 def decode_picks(r) -> list[int]:
     return [w["picks"] for w in httpx.get(r.url + "/health", timeout=5).json()["decode"]]
+
+
+def next_p(r) -> str:
+    """The P host the router picks next (least loaded, then least picked)."""
+    ps = httpx.get(r.url + "/health", timeout=5).json()["prefill"]
+    return ["p0", "p1"][min(range(2), key=lambda i: (ps[i]["outstanding"], ps[i]["picks"]))]
+
+
+def streaming_d(r) -> str:
+    ds = httpx.get(r.url + "/health", timeout=5).json()["decode"]
+    busy = [h for h, w in zip(("d0", "d1"), ds) if w["outstanding"] > 0]
+    assert len(busy) == 1, ds
+    return busy[0]
 
 
 def wait_all_up(r, timeout_s: float = 30) -> None:
@@ -118,3 +132,76 @@ def test_router_d_partition_between_turns(hosts, oracle):
     print(f"router<->D partition: healthy turn {base:.2f} s, fault turn {took:.2f} s")
     assert took <= base + EXTRA_S, f"{took:.1f} s (healthy {base:.2f} s)"
     wait_all_up(r)
+
+
+def test_p_host_black_holed_between_turns(hosts, oracle):
+    net, p, ds, routers = hosts
+    r = routers["prefill"]
+    base = healthy(r, oracle)
+    cut: list[str] = []
+
+    def fault(_d):
+        cut.append(next_p(r))
+        net.link(cut[0], up=False)
+
+    took, _ = two_turns(r, oracle, fault, lambda _d: net.link(cut[0], up=True))
+    print(f"P host black-holed: healthy turn {base:.2f} s, fault turn {took:.2f} s")
+    assert took <= base + EXTRA_S, f"{took:.1f} s (healthy {base:.2f} s)"
+    wait_all_up(r)
+
+
+def test_d_link_at_1_mbit(hosts, oracle):
+    """A slow link is not a fault: the turn is answered, its extra time is what the link costs."""
+    net, p, ds, routers = hosts
+    r = routers["prefill"]
+    base = healthy(r, oracle)
+    took, _ = two_turns(r, oracle, lambda d: net.shape(d, "1mbit"), lambda d: net.shape(d, None))
+    print(f"D link at 1 Mbit/s: healthy turn {base:.2f} s, fault turn {took:.2f} s")
+    assert took <= base + 5.0, f"{took:.1f} s (healthy {base:.2f} s)"
+    wait_all_up(r)
+
+
+def _mid_stream(r, oracle, fault, heal=None) -> float:
+    from test_router_faults import LONG, stream_with_fault
+
+    messages = [{"role": "system", "content": SYSTEM}, user(5)]
+    hit: list[str] = []
+
+    def apply():
+        hit.append(streaming_d(r))
+        fault(hit[0])
+        return hit[0]
+
+    t = time.perf_counter()
+    try:
+        text, usage, _, errors = stream_with_fault(r, messages, apply)
+    finally:
+        if heal and hit:
+            heal(hit[0])
+    took = time.perf_counter() - t
+    assert hit and not errors, errors
+    assert usage["completion_tokens"] == LONG, usage
+    assert text == oracle(messages, LONG).text  # token for token, as an undisturbed run
+    print(f"mid-stream fault on {hit[0]}: the stream took {took:.2f} s")
+    return took
+
+
+def test_d_link_cut_mid_stream(hosts, oracle):
+    net, p, ds, routers = hosts
+    r = routers["auto"]
+    _mid_stream(r, oracle, lambda d: net.link(d, up=False), lambda d: net.link(d, up=True))
+    wait_all_up(r)
+
+
+def test_router_d_partition_mid_stream(hosts, oracle):
+    net, p, ds, routers = hosts
+    r = routers["auto"]
+    _mid_stream(r, oracle, lambda d: net.partition("r", d), lambda d: net.heal("r", d))
+    wait_all_up(r)
+
+
+def test_d_host_killed_mid_stream(hosts, oracle):
+    """Last: the killed D stays down for the rest of the module."""
+    net, p, ds, routers = hosts
+    r = routers["auto"]
+    _mid_stream(r, oracle, lambda d: ds[["d0", "d1"].index(d)].proc.kill())

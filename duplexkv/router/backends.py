@@ -27,11 +27,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 
 log = logging.getLogger("duplexkv.router")
+RTT_SAMPLES = 16  # /health answers remembered per worker (~30 s of health checks)
 
 
 @dataclass(slots=True, eq=False)
@@ -53,6 +55,20 @@ class Backend:
     warm: bool = True  # False while its NIXL channels are being opened (router/warmup.py)
     suspect: bool = False  # failed a leg; chosen last until a probe clears it (liveness.py)
     _down: asyncio.Event | None = None  # set by the next mark_down; legs in flight wait on it
+    # how long its /health took lately (health checks and probes): a probe's timeout scales
+    # with it (router/liveness.py), so a worker slow to answer under load is not given up on
+    _rtts: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_SAMPLES))
+    last_progress: float = 0.0  # time.monotonic() of its last answer or stream event
+
+    def progressed(self) -> None:
+        self.last_progress = time.monotonic()
+
+    def note_rtt(self, seconds: float) -> None:
+        self._rtts.append(seconds)
+
+    def recent_rtt(self) -> float:
+        """The slowest /health answer of the last RTT_SAMPLES (0 before any)."""
+        return max(self._rtts, default=0.0)
 
     def mark_down(self, reason: str) -> None:
         if self.healthy:

@@ -9,7 +9,13 @@ black-holed worker in rotation for ~20 s).
                answers /health beside its engine thread); one that does not is marked down,
                which abandons every leg in flight to it (calls.py), and the turn goes on
                elsewhere. A hung (SIGSTOP) or black-holed worker is given up on in
-               watch_after_s + probe_timeout_s (1.5 s by default). All legs waiting on one
+               watch_after_s + probe_timeout_s (1.5 s by default).
+    timeout    derived from what the worker showed: probe_timeout_s (1 s), or longer for a
+               loaded worker: 4x the slowest /health answer of its last 16 (health checks and
+               probes), 0.5 s per leg the router has in flight to it; at most 10 s. A probe
+               that times out while another leg of the worker moved (an answer, a stream
+               event) does not count: the worker is busy, not hung. An idle worker that hangs
+               is given up on in 1.5 s; one with 16 legs in flight gets 8 s. All legs waiting on one
                worker share its probe (at most one /health in flight per worker).
     suspect    a worker that failed a leg (a transport error, a 5xx), or that P could not reach
                for a turn's pull (P's decline reason, runner.py), is suspect at once: chosen only
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -35,6 +42,11 @@ T = TypeVar("T")
 
 WATCH_AFTER_S = 0.5
 PROBE_TIMEOUT_S = 1.0
+# measured (docs/operations.md, failure model): the bench preset under 16 concurrent 1600-word
+# prompts on 2 busy cores answered /health in p50 75 ms, p99 1.66 s, max 2.0 s
+RTT_FACTOR = 4.0
+PER_LEG_S = 0.5  # 16 legs in flight: 8 s
+MAX_PROBE_TIMEOUT_S = 10.0  # the health check's own timeout
 
 
 class WentDown(Exception):
@@ -45,6 +57,9 @@ class WentDown(Exception):
 class LivenessConfig:
     watch_after_s: float = WATCH_AFTER_S  # a leg waiting this long has its worker probed
     probe_timeout_s: float = PROBE_TIMEOUT_S  # a probe not answered in this time: down
+    rtt_factor: float = RTT_FACTOR  # ... unless the worker's recent /health answers were slower
+    per_leg_s: float = PER_LEG_S  # ... or it has many legs in flight
+    max_probe_timeout_s: float = MAX_PROBE_TIMEOUT_S
 
 
 class Liveness:
@@ -52,11 +67,24 @@ class Liveness:
         self.client, self.cfg = client, cfg
         self._probes: dict[Backend, asyncio.Task] = {}
 
+    def timeout(self, b: Backend) -> float:
+        """A probe's timeout for `b`: probe_timeout_s, or longer for a loaded worker (it answers
+        /health late, it is not hung): rtt_factor times the slowest /health answer it gave
+        lately, per_leg_s per leg the router has in flight to it; at most max_probe_timeout_s."""
+        cfg = self.cfg
+        return min(max(cfg.probe_timeout_s, cfg.rtt_factor * b.recent_rtt(),
+                       cfg.per_leg_s * b.outstanding), cfg.max_probe_timeout_s)
+
     async def probe(self, b: Backend) -> bool:
         """One /health probe; a worker that does not answer it 200 in time is marked down."""
+        t, since = time.perf_counter(), time.monotonic()
         try:
-            r = await self.client.get(b.url + "/health", timeout=self.cfg.probe_timeout_s)
+            r = await self.client.get(b.url + "/health", timeout=self.timeout(b))
             alive, why = r.status_code == 200, f"probe: /health answered {r.status_code}"
+            b.note_rtt(time.perf_counter() - t)
+        except httpx.TimeoutException as e:  # slow, unless another leg of it moved meanwhile
+            alive, why = b.last_progress >= since, f"probe: /health failed ({type(e).__name__})"
+            b.note_rtt(time.perf_counter() - t)
         except httpx.HTTPError as e:
             alive, why = False, f"probe: /health failed ({type(e).__name__})"
         if alive:
@@ -108,9 +136,9 @@ class Liveness:
         `watch_after_s` (one task per item otherwise); StopAsyncIteration at its end."""
         task = asyncio.ensure_future(anext(it))
         done, _ = await asyncio.wait((task,), timeout=self.cfg.watch_after_s)
-        if done:
-            return task.result()
-        return await self.guard(b, task)
+        item = task.result() if done else await self.guard(b, task)
+        b.progressed()
+        return item
 
     async def aclose(self) -> None:
         for task in self._probes.values():

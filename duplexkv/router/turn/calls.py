@@ -102,6 +102,7 @@ class WorkerCalls:
             raise
         finally:
             turn.waited.seconds += perf() - t
+        b.progressed()
         return resp
 
     def bad_status(self, b: Backend, resp: httpx.Response) -> str:
