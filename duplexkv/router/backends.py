@@ -63,8 +63,14 @@ class Backend:
     def progressed(self) -> None:
         self.last_progress = time.monotonic()
 
-    def note_rtt(self, seconds: float) -> None:
-        self._rtts.append(seconds)
+    down_at: float = 0.0  # time.monotonic() when it was last marked down
+
+    def note_rtt(self, started: float) -> None:
+        """A /health call that began at `started` (time.monotonic()) was answered now; one
+        that began before the worker was last marked down says nothing of its load (a check
+        sent into a cut link is answered when the link is back)."""
+        if started > self.down_at:
+            self._rtts.append(time.monotonic() - started)
 
     def recent_rtt(self) -> float:
         """The slowest /health answer of the last RTT_SAMPLES (0 before any)."""
@@ -75,6 +81,8 @@ class Backend:
             log.warning("%s (%s) is down: %s", self.name, self.url, reason)
         self.healthy = False
         self.last_error = reason
+        self.down_at = time.monotonic()
+        self._rtts.clear()
         if self._down is not None:
             self._down.set()
             self._down = None

@@ -77,14 +77,14 @@ class Liveness:
 
     async def probe(self, b: Backend) -> bool:
         """One /health probe; a worker that does not answer it 200 in time is marked down."""
-        t, since = time.perf_counter(), time.monotonic()
+        since, timeout = time.monotonic(), self.timeout(b)
         try:
-            r = await self.client.get(b.url + "/health", timeout=self.timeout(b))
+            r = await self.client.get(b.url + "/health", timeout=timeout)
             alive, why = r.status_code == 200, f"probe: /health answered {r.status_code}"
-            b.note_rtt(time.perf_counter() - t)
+            b.note_rtt(since)
         except httpx.TimeoutException as e:  # slow, unless another leg of it moved meanwhile
-            alive, why = b.last_progress >= since, f"probe: /health failed ({type(e).__name__})"
-            b.note_rtt(time.perf_counter() - t)
+            alive = b.last_progress >= since
+            why = f"probe: /health did not answer in {timeout:.1f} s ({type(e).__name__})"
         except httpx.HTTPError as e:
             alive, why = False, f"probe: /health failed ({type(e).__name__})"
         if alive:
