@@ -167,6 +167,9 @@ def _mid_stream(r, oracle, fault, heal=None) -> float:
         return hit[0]
 
     t = time.perf_counter()
+    stream_with_fault(r, messages, lambda: True)  # undisturbed
+    base = time.perf_counter() - t
+    t = time.perf_counter()
     try:
         text, usage, _, errors = stream_with_fault(r, messages, apply)
     finally:
@@ -176,7 +179,8 @@ def _mid_stream(r, oracle, fault, heal=None) -> float:
     assert hit and not errors, errors
     assert usage["completion_tokens"] == LONG, usage
     assert text == oracle(messages, LONG).text  # token for token, as an undisturbed run
-    print(f"mid-stream fault on {hit[0]}: the stream took {took:.2f} s")
+    print(f"mid-stream fault on {hit[0]}: the stream took {took:.2f} s, undisturbed {base:.2f} s")
+    assert took <= base + EXTRA_S, f"{took:.1f} s (undisturbed {base:.2f} s)"
     return took
 
 

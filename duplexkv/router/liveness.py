@@ -3,7 +3,8 @@ periodic health checks (health.py, every 2 s with a 10 s timeout, which leave a 
 black-holed worker in rotation for ~20 s).
 
     watch      a leg that has waited `watch_after_s` for its worker (response headers, or the
-               next event of a stream) has the worker probed: GET /health with `probe_timeout_s`,
+               next event of a stream: a stream quiet that long is probed at once) has the
+               worker probed: GET /health with `probe_timeout_s`,
                again every `watch_after_s` while the leg still waits. A worker that answers the
                probe is alive (a long prefill under load is never cut: the worker's HTTP loop
                answers /health beside its engine thread); one that does not is marked down,
@@ -107,18 +108,22 @@ class Liveness:
         b.suspect = True
         self.probing(b)
 
-    async def _watch(self, b: Backend) -> None:
+    async def _watch(self, b: Backend, first_after: float) -> None:
+        wait = first_after
         while True:
-            await asyncio.sleep(self.cfg.watch_after_s)
+            await asyncio.sleep(wait)
             if not await asyncio.shield(self.probing(b)):
                 return
+            wait = self.cfg.watch_after_s
 
-    async def guard(self, b: Backend, call: Awaitable[T]) -> T:
-        """`await call` while `b` is watched; raises WentDown (the call cancelled) when `b` is
-        marked down first, by the watch's probe or anyone else."""
+    async def guard(self, b: Backend, call: Awaitable[T], first_after: float | None = None) -> T:
+        """`await call` while `b` is watched (first probed after `first_after`, watch_after_s
+        by default); raises WentDown (the call cancelled) when `b` is marked down first, by the
+        watch's probe or anyone else."""
         task = asyncio.ensure_future(call)
         down = asyncio.ensure_future(b.went_down().wait())
-        watch = asyncio.ensure_future(self._watch(b))
+        first = self.cfg.watch_after_s if first_after is None else first_after
+        watch = asyncio.ensure_future(self._watch(b, first))
         try:
             await asyncio.wait((task, down), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -136,7 +141,7 @@ class Liveness:
         `watch_after_s` (one task per item otherwise); StopAsyncIteration at its end."""
         task = asyncio.ensure_future(anext(it))
         done, _ = await asyncio.wait((task,), timeout=self.cfg.watch_after_s)
-        item = task.result() if done else await self.guard(b, task)
+        item = task.result() if done else await self.guard(b, task, first_after=0.0)
         b.progressed()
         return item
 
