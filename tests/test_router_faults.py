@@ -22,17 +22,18 @@ def tmp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp):
-    """One P, two D's and a router, all at their defaults (placement auto)."""
-    with ThreadPoolExecutor(3) as pool:
+    """Two P's, two D's and a router, all at their defaults (placement auto)."""
+    nocache = ("--no-enable-prefix-caching",)
+    with ThreadPoolExecutor(4) as pool:
         futs = [pool.submit(start_worker, tiny_model_dir, tmp / f"{n}.log", *ARGS, *extra,
                             kv=bidi())
-                for n, extra in (("p", ("--no-enable-prefix-caching",)), ("d1", ()),
-                                 ("d2", ()))]
-        p, d1, d2 = (f.result() for f in futs)
-    with stopping(p, d1, d2):
-        r = start_router(tmp / "router.log", [p.url], [d1.url, d2.url], placement=None,
-                         defaults=True)
+                for n, extra in (("p", nocache), ("p2", nocache), ("d1", ()), ("d2", ()))]
+        p, p2, d1, d2 = (f.result() for f in futs)
+    with stopping(p, p2, d1, d2):
+        r = start_router(tmp / "router.log", [p.url, p2.url], [d1.url, d2.url],
+                         placement=None, defaults=True)
         with stopping(r):
+            r.prefill = (p, p2)
             yield p, d1, d2, r
 
 
@@ -77,6 +78,27 @@ def test_hung_d_costs_the_next_turn_seconds(cluster, oracle, stream):
         hung.proc.send_signal(signal.SIGCONT)
     assert text == oracle(messages, OUT).text
     print(f"hung D: healthy turn {healthy:.2f} s, fault turn {took:.2f} s")
+    assert took <= healthy + 3.0, f"{took:.1f} s (healthy {healthy:.2f} s)"
+    _wait_up(r)
+
+
+def test_hung_p_costs_a_turn_seconds(cluster, oracle):
+    """The P leg waits on a hung P (SIGSTOP): the liveness watch gives it up, another P serves."""
+    p, d1, d2, r = cluster
+    client = r.client()
+    healthy = healthy_turn(client, oracle)
+    ps = r.get("/health").json()["prefill"]
+    hung = r.prefill[min(range(2), key=lambda i: (ps[i]["outstanding"], ps[i]["picks"]))]
+    messages = [{"role": "system", "content": SYSTEM}, user(6)]
+    hung.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        text, stats = chat(client, messages, conv(), stream=True)
+        took = time.monotonic() - t0
+    finally:
+        hung.proc.send_signal(signal.SIGCONT)
+    assert text == oracle(messages, OUT).text
+    print(f"hung P: healthy turn {healthy:.2f} s, fault turn {took:.2f} s")
     assert took <= healthy + 3.0, f"{took:.1f} s (healthy {healthy:.2f} s)"
     _wait_up(r)
 
