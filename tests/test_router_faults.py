@@ -69,17 +69,7 @@ def test_hung_d_costs_the_next_turn_seconds(cluster, oracle, stream):
     held = [d for d in (d1, d2) if d.kv()["retained"]["entries"] > before[id(d)]]
     hung = held[0] if held else holder_of((d1, d2))
     messages += [{"role": "assistant", "content": text}, user(4)]
-    hung.proc.send_signal(signal.SIGSTOP)
-    try:
-        t0 = time.monotonic()
-        text, _ = chat(client, messages, conv_id, stream=stream)
-        took = time.monotonic() - t0
-    finally:
-        hung.proc.send_signal(signal.SIGCONT)
-    assert text == oracle(messages, OUT).text
-    print(f"hung D: healthy turn {healthy:.2f} s, fault turn {took:.2f} s")
-    assert took <= healthy + 3.0, f"{took:.1f} s (healthy {healthy:.2f} s)"
-    _wait_up(r)
+    turn_while_hung(r, hung, "hung D", healthy, oracle, messages, conv_id, stream)
 
 
 def test_hung_p_costs_a_turn_seconds(cluster, oracle):
@@ -90,15 +80,21 @@ def test_hung_p_costs_a_turn_seconds(cluster, oracle):
     ps = r.get("/health").json()["prefill"]
     hung = r.prefill[min(range(2), key=lambda i: (ps[i]["outstanding"], ps[i]["picks"]))]
     messages = [{"role": "system", "content": SYSTEM}, user(6)]
+    turn_while_hung(r, hung, "hung P", healthy, oracle, messages, conv(), True)
+
+
+def turn_while_hung(r, hung, what: str, healthy: float, oracle, messages, conv_id,
+                    stream: bool) -> None:
+    """One turn with `hung` SIGSTOPped: the same answer, at most 3 s beyond a healthy turn."""
     hung.proc.send_signal(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        text, stats = chat(client, messages, conv(), stream=True)
+        text, _ = chat(r.client(), messages, conv_id, stream=stream)
         took = time.monotonic() - t0
     finally:
         hung.proc.send_signal(signal.SIGCONT)
     assert text == oracle(messages, OUT).text
-    print(f"hung P: healthy turn {healthy:.2f} s, fault turn {took:.2f} s")
+    print(f"{what}: healthy turn {healthy:.2f} s, fault turn {took:.2f} s")
     assert took <= healthy + 3.0, f"{took:.1f} s (healthy {healthy:.2f} s)"
     _wait_up(r)
 
