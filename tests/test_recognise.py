@@ -74,6 +74,10 @@ def test_canonical_form_keeps_what_makes_the_prompt_and_drops_the_rest():
               {**plain, "tool_calls": [{"id": "c", "function": {"name": "f",
                                                                 "arguments": "{}"}}]}]
     assert len({canonical(m) for m in differ} | {canonical(plain)}) == len(differ) + 1
+    # the hashing's inline plain case is canonical()'s
+    extra = [{**m, "refusal": None} for m in turn(2)] + [{"role": "user", "content": "é"}]
+    assert recognition_of(chat(extra)) == recognition_of(chat([
+        {"role": m["role"], "content": m["content"]} for m in extra]))
     # self-delimiting: moving text across a message boundary changes the key
     a = recognition_of(chat([{"role": "user", "content": "ab"},
                              {"role": "assistant", "content": "c"}, SYSTEM]))

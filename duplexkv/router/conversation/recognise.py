@@ -70,8 +70,12 @@ def recognition_of(req: ClientRequest) -> Recognition | None:
     if (req.kind != "chat" or req.conversation_id is not None or req.unlinked
             or not isinstance(messages, list) or not messages or body.get("n") not in (None, 1)):
         return None
-    ends = [i + 1 for i in range(len(messages) - 1, -1, -1) if _role(messages[i]) == "assistant"]
-    ends = sorted(ends[:MAX_LOOKUPS])
+    ends = []
+    for i in range(len(messages) - 1, -1, -1):
+        if _role(messages[i]) == "assistant":
+            ends.insert(0, i + 1)
+            if len(ends) == MAX_LOOKUPS:
+                break
     h = hashlib.sha256(_namespace(req))
     keys, start = [], 0
     for end in ends:
@@ -133,13 +137,24 @@ def _tool_calls(calls: Any) -> Any:
 
 
 def _feed(h: Any, messages: list) -> None:
-    """Each message's canonical form into the running hash; a message at a time (joined, one
-    non-ASCII character would widen the whole history's string and slow its encoding)."""
-    update = h.update
+    """Each message's canonical form into the running hash. ASCII text is joined into one
+    update; other text goes alone (joined, one non-ASCII character would widen the whole
+    history's string and slow its encoding)."""
+    update, run = h.update, []
     for m in messages:
-        head, body = canonical(m)
-        update(head.encode("utf-8", "surrogatepass"))
-        update(body.encode("utf-8", "surrogatepass"))
+        if type(m) is dict and len(m) == 2 and type(body := m.get("content")) is str \
+                and type(role := m.get("role")) is str:  # canonical()'s plain case, inline
+            head = f"m{len(role)}:{role}{len(body)}:"
+        else:
+            head, body = canonical(m)
+        run.append(head)
+        if body.isascii():
+            run.append(body)
+        else:
+            update("".join(run).encode("utf-8", "surrogatepass"))
+            update(body.encode("utf-8", "surrogatepass"))
+            run = []
+    update("".join(run).encode("utf-8", "surrogatepass"))
 
 
 def _namespace(req: ClientRequest) -> bytes:
