@@ -19,6 +19,7 @@ from duplexkv.engine.admission import Admission, Prompt, RequestRejected
 from duplexkv.engine.builder import build
 from duplexkv.engine.calibration import Calibration
 from duplexkv.engine.config import EngineConfig
+from duplexkv.engine.grammar import Grammars, apply_mask
 from duplexkv.engine.host import HostOps
 from duplexkv.engine.kv_transfer import KVConnectorBase
 from duplexkv.engine.output_processor import OutputProcessor, ReqState, RequestOutput
@@ -55,7 +56,8 @@ class LLMEngine(Admission, KVEvents, EngineViews, HostOps):
                                    self.config.max_num_seqs)
         self.requests: dict[str, ReqState] = {}  # by sequence (choice) id
         self.choices = Choices(self.config.block_size)
-        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.grammars)
         self.remote = RemoteKV(self.scheduler)
         self.costs = Calibration()  # calibrate() once loaded; every lone prefill after
         self._next_id = 0
@@ -185,6 +187,8 @@ class LLMEngine(Admission, KVEvents, EngineViews, HostOps):
                 row = logits[i]
                 process_row(row, st.seq.params, self.banned_tokens(st.seq),
                             st.seq.prompt_token_ids, st.seq.output_token_ids)
+                if st.matcher is not None:
+                    apply_mask(row, st.matcher)
                 tok = sample_row(row, st.seq.params, st.generator)
             except Exception as e:
                 outputs.append(self._fail(st, f"sampling failed: {e}"))

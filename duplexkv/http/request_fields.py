@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from duplexkv.http.errors import bad_request
+from duplexkv.http.features import NONE, Features
 
 log = logging.getLogger("duplexkv.http")
 
@@ -30,7 +31,7 @@ HONOURED = {
                        "top_logprobs")),
 }
 # no effect on the answer here: bookkeeping (user, metadata, ...), our router's conversation id,
-# `parallel_tool_calls` (no tool calls are parsed), and `add_special_tokens` (the Qwen3
+# `parallel_tool_calls` (read by duplexkv.http.chat_options when tools are given), and `add_special_tokens` (the Qwen3
 # tokenizers we serve add no special tokens either way)
 ACCEPTED = frozenset((
     "user", "metadata", "store", "service_tier", "request_id", "conversation_id", "session_id",
@@ -38,14 +39,16 @@ ACCEPTED = frozenset((
 
 # feature -> (its no-op values, why it cannot be honoured)
 _GUIDED = "guided decoding (structured output) is not supported"
+_OLD = ("vLLM's old guided_* fields are not accepted (vLLM replaced them by "
+        "`structured_outputs`, which workers honour)")
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "response_format": ((), _GUIDED + "; only {\"type\": \"text\"}"),
-    "guided_json": ((), _GUIDED),
-    "guided_regex": ((), _GUIDED),
-    "guided_choice": ((), _GUIDED),
-    "guided_grammar": ((), _GUIDED),
-    "guided_decoding_backend": ((), _GUIDED),
-    "guided_whitespace_pattern": ((), _GUIDED),
+    "guided_json": ((), _OLD),
+    "guided_regex": ((), _OLD),
+    "guided_choice": ((), _OLD),
+    "guided_grammar": ((), _OLD),
+    "guided_decoding_backend": ((), _OLD),
+    "guided_whitespace_pattern": ((), _OLD),
     "structured_outputs": ((), _GUIDED),
     "structural_tag": ((), _GUIDED),
     "functions": ((), "the legacy function-calling API is not supported; use `tools`"),
@@ -76,9 +79,15 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
 }
 
 
-def reject_unsupported(body: dict) -> None:
+# honoured when the server does guided decoding (duplexkv.http.structured)
+STRUCTURED = frozenset(("response_format", "structured_outputs"))
+
+
+def reject_unsupported(body: dict, features: Features = NONE) -> None:
     """A 400 naming the first field set to a feature this server cannot honour."""
     for name in sorted(body.keys() & UNSUPPORTED.keys()):
+        if features.structured and name in STRUCTURED:
+            continue
         v = body[name]
         allowed, why = UNSUPPORTED[name]
         if v is None or v in allowed or (name == "response_format" and _plain_text(v)):
