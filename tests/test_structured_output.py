@@ -52,8 +52,9 @@ SCHEMAS = [
                                                  "maximum": 999}},
         "required": ["sku", "qty"], "additionalProperties": False}}},
      "required": ["items"], "additionalProperties": False},
-    {"anyOf": [{"type": "integer", "maximum": 50, "minimum": 0}, {"type": "object", "properties": {"v": {"type": "boolean"}},
-                                       "required": ["v"], "additionalProperties": False}]},
+    {"anyOf": [{"type": "integer", "maximum": 50, "minimum": 0},
+               {"type": "object", "properties": {"v": {"type": "boolean"}},
+                "required": ["v"], "additionalProperties": False}]},
 ]
 MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
 

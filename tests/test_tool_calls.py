@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 
 import jsonschema
 import pytest
-from workers import sse_events, start_worker, stopping
+from workers import DUPLEXKV, sse_events, start_worker, stopping
 
 from duplexkv.server.chat_output import ChoiceParser
 
@@ -33,7 +34,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
              "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}},
              "required": ["tz"], "additionalProperties": False}}}]
 MESSAGES = [{"role": "user", "content": "Weather in Paris for 2 days?"}]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+        "\n</tool_call>")
 
 
 def writes(text: str) -> dict:
@@ -198,6 +200,13 @@ def test_bad_tool_requests_are_400s(worker, extra, param):
     assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == 400
 
 
+def test_auto_tool_choice_without_a_parser_is_refused_at_start(tiny_model_dir):
+    r = subprocess.run([DUPLEXKV, "serve", str(tiny_model_dir), "--enable-auto-tool-choice"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in r.stderr
+
+
 def test_openai_sdk_reads_the_calls(worker):
     client = openai.OpenAI(base_url=worker.url + "/v1", api_key="unused")
     out = client.chat.completions.create(model=worker.name, messages=MESSAGES, tools=TOOLS,
@@ -222,7 +231,8 @@ def test_openai_sdk_reads_the_calls(worker):
 
 
 @pytest.mark.parametrize("text", ["plain", "a" + CALL + "b" + CALL, CALL[:40], "x <tool_c",
-                                  '<tool_call>{"name": "f"}</tool_call>', "<tool_call></tool_call>"])
+                                  '<tool_call>{"name": "f"}</tool_call>',
+                                  "<tool_call></tool_call>"])
 def test_streamed_parse_equals_the_whole(text):
     """The parser fed one character at a time gives what it gives for the whole text."""
     whole = ChoiceParser("auto").message(text)

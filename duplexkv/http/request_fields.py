@@ -27,15 +27,14 @@ _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "pre
 HONOURED = {
     "completion": frozenset((*_COMMON, "prompt")),
     "chat": frozenset((*_COMMON, "messages", "max_completion_tokens", "add_generation_prompt",
-                       "tools", "tool_choice", "documents", "chat_template_kwargs",
-                       "top_logprobs")),
+                       "tools", "tool_choice", "parallel_tool_calls", "documents",
+                       "chat_template_kwargs", "top_logprobs")),
 }
 # no effect on the answer here: bookkeeping (user, metadata, ...), our router's conversation id,
-# `parallel_tool_calls` (read by duplexkv.http.chat_options when tools are given), and `add_special_tokens` (the Qwen3
-# tokenizers we serve add no special tokens either way)
+# and `add_special_tokens` (the Qwen3 tokenizers we serve add no special tokens either way)
 ACCEPTED = frozenset((
     "user", "metadata", "store", "service_tier", "request_id", "conversation_id", "session_id",
-    "parallel_tool_calls", "add_special_tokens", "length_penalty", "early_stopping"))
+    "add_special_tokens", "length_penalty", "early_stopping"))
 
 # feature -> (its no-op values, why it cannot be honoured)
 _GUIDED = "guided decoding (structured output) is not supported"

@@ -16,17 +16,25 @@ from duplexkv.server.reasoning import PARSERS as REASONING_PARSERS
 from duplexkv.server.tool_parser import PARSERS as TOOL_PARSERS
 
 
+FLAGS: dict[str, dict] = {
+    "--enable-auto-tool-choice": {
+        "action": "store_true",
+        "help": "honour tool_choice \"auto\" (the default when a request has tools): tool calls "
+                "are parsed out of the model's text; needs --tool-call-parser"},
+    "--tool-call-parser": {
+        "choices": TOOL_PARSERS, "default": None,
+        "help": "the format of the model's tool calls: hermes = Hermes/Qwen "
+                "<tool_call>{json}</tool_call>"},
+    "--reasoning-parser": {
+        "choices": REASONING_PARSERS, "default": None,
+        "help": "put the model's <think>...</think> text in the `reasoning` field of chat "
+                "answers and deltas (vLLM's name)"},
+}
+
+
 def add_chat_parsing_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="honour tool_choice \"auto\" (the default when a request has tools): "
-                        "tool calls are parsed out of the model's text; needs "
-                        "--tool-call-parser")
-    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
-                   help="the format of the model's tool calls: hermes = Hermes/Qwen "
-                        "<tool_call>{json}</tool_call>")
-    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                   help="put the model's <think>...</think> text in the `reasoning` field of "
-                        "chat answers and deltas (vLLM's name)")
+    for flag, spec in FLAGS.items():
+        p.add_argument(flag, **spec)
 
 
 def chat_parsing(args: argparse.Namespace) -> ChatParsing:
