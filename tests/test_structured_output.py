@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
-from workers import sse_events, start_worker, stopping
+from workers import (decode_leg, kv_config, prefill_leg, sse_events, start_p_and_d,
+                     start_worker, stopping)
 
 openai = pytest.importorskip("openai")
 
@@ -160,6 +161,23 @@ def test_openai_sdk_json_schema(worker):
                                             response_format=schema_format(schema))
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == out.choices[0].message.content
+
+
+def test_p_to_d_with_a_grammar_equals_one_worker(worker, tiny_model_dir, tmp_path):
+    """P samples the first token under the grammar, D takes it (computing no prompt token) and
+    goes on from there with its own matcher: D's answer is the single worker's."""
+    p, d = start_p_and_d(tiny_model_dir, tmp_path, kv=kv_config("TcpConnector"))
+    with stopping(p, d):
+        for extra in ({"response_format": schema_format(SCHEMAS[3])},
+                      {"structured_outputs": {"choice": ["left", "right"]}}):
+            body = {"model": worker.name, "messages": MESSAGES, "max_tokens": 400,
+                    "temperature": 0, **extra}
+            alone = chat(worker, **body)["choices"][0]["message"]["content"]
+            pj = prefill_leg(p, "/v1/chat/completions", body)
+            r = decode_leg(d, "/v1/chat/completions", body, pj["kv_transfer_params"])
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == alone
+            assert r.json()["kv_stats"]["computed_tokens"] == 0  # P's first token taken
 
 
 BAD = [

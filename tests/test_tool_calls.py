@@ -142,7 +142,7 @@ def test_required_forces_calls_valid_against_the_tools(worker):
         out = chat(worker, tool_choice="required", **extra)["choices"][0]
         assert out["finish_reason"] == "tool_calls", out
         calls = out["message"]["tool_calls"]
-        assert calls and out["message"]["content"] is None
+        assert calls and out["message"]["content"] == ""  # vLLM's, for forced calls
         if extra.get("parallel_tool_calls") is False:
             assert len(calls) == 1
         for c in calls:

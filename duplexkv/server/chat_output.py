@@ -90,7 +90,7 @@ class ChoiceParser:
     def _required(self, out: Delta) -> None:
         try:
             items = json.loads(self.guided)
-        except ValueError:
+        except (ValueError, RecursionError):
             items = None
         if not isinstance(items, list) or not all(
                 isinstance(c, dict) and isinstance(c.get("name"), str)
@@ -114,9 +114,12 @@ class ChoiceParser:
         if self.mode == "named" and self.guided:
             calls = [{"id": self.named_id, "type": "function",
                       "function": {"name": self.function, "arguments": self.guided}}]
-        msg: dict = {"role": "assistant",
-                     "content": d.content if d.content.strip() or not (calls or d.reasoning)
-                     else None}
+        content: str | None = d.content
+        if calls and self.mode in ("named", "required"):
+            content = ""  # vLLM's forced calls: an empty string
+        elif not d.content.strip() and (calls or d.reasoning):
+            content = None
+        msg: dict = {"role": "assistant", "content": content}
         if self.reasoning is not None:
             msg["reasoning"] = d.reasoning or None
         if calls:

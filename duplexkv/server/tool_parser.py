@@ -52,7 +52,7 @@ class ToolCall:
 def parse_call(body: str) -> ToolCall | None:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than json allows
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
