@@ -112,6 +112,15 @@ def test_structured_outputs_json_regex_choice_grammar(worker):
     assert isinstance(json.loads(r.json()["choices"][0]["text"]), dict)
 
 
+def test_the_grammar_wins_over_bans_that_leave_it_no_token(worker):
+    """min_tokens bans eos and the stop token ids the grammar needs: the answer still follows
+    the grammar and ends (200, never a failed request)."""
+    stop_ids = worker.post("/tokenize", {"model": worker.name, "prompt": "yes"}).json()["tokens"]
+    for extra in ({"min_tokens": 5}, {"min_tokens": 3, "stop_token_ids": stop_ids[:1]}):
+        out = chat(worker, structured_outputs={"choice": ["yes", "no"]}, **extra)["choices"][0]
+        assert out["finish_reason"] == "stop" and out["message"]["content"] in ("yes", "no")
+
+
 def test_streamed_with_n_choices(worker):
     r = worker.post("/v1/chat/completions", {
         "model": worker.name, "messages": MESSAGES, "max_tokens": 400, "n": 2, "seed": 7,

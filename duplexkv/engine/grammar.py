@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 
 import llguidance
 import torch
@@ -88,6 +89,19 @@ def apply_mask(row: torch.Tensor, matcher: llguidance.LLMatcher) -> None:
     row.masked_fill_(~allowed, float("-inf"))
 
 
+@torch.inference_mode()
+def constrain(row: torch.Tensor, matcher: llguidance.LLMatcher,
+              process: Callable[[torch.Tensor], None]) -> None:
+    """The grammar's mask, then `process` (logit_bias, penalties, the stop and eos bans before
+    min_tokens). Where the bans leave no token the grammar allows (e.g. it must end but
+    min_tokens bans eos), the grammar wins: its mask alone."""
+    apply_mask(row, matcher)
+    kept = row.clone()
+    process(row)
+    if bool(row.max() == float("-inf")):
+        row.copy_(kept)
+
+
 def consume(matcher: llguidance.LLMatcher, tok: int) -> None:
     if not matcher.consume_token(tok):
         raise GrammarError(f"the grammar rejected token {tok}: {_first_line(matcher.get_error())}")
@@ -98,4 +112,4 @@ def _first_line(e: object) -> str:
     return (text.splitlines() or [""])[0][:300]
 
 
-__all__ = ["GrammarError", "Grammars", "apply_mask", "consume", "grammar_text"]
+__all__ = ["GrammarError", "Grammars", "apply_mask", "constrain", "consume", "grammar_text"]

@@ -19,7 +19,7 @@ from duplexkv.engine.admission import Admission, Prompt, RequestRejected
 from duplexkv.engine.builder import build
 from duplexkv.engine.calibration import Calibration
 from duplexkv.engine.config import EngineConfig
-from duplexkv.engine.grammar import Grammars, apply_mask
+from duplexkv.engine.grammar import Grammars, constrain
 from duplexkv.engine.host import HostOps
 from duplexkv.engine.kv_transfer import KVConnectorBase
 from duplexkv.engine.output_processor import OutputProcessor, ReqState, RequestOutput
@@ -184,11 +184,15 @@ class LLMEngine(Admission, KVEvents, EngineViews, HostOps):
             if st is None:  # a sibling choice's failure ended this request meanwhile
                 continue
             try:
-                row = logits[i]
-                process_row(row, st.seq.params, self.banned_tokens(st.seq),
-                            st.seq.prompt_token_ids, st.seq.output_token_ids)
-                if st.matcher is not None:
-                    apply_mask(row, st.matcher)
+                row, seq = logits[i], st.seq
+
+                def process(r: torch.Tensor) -> None:
+                    process_row(r, seq.params, self.banned_tokens(seq), seq.prompt_token_ids,
+                                seq.output_token_ids)
+                if st.matcher is None:
+                    process(row)
+                else:
+                    constrain(row, st.matcher, process)
                 tok = sample_row(row, st.seq.params, st.generator)
             except Exception as e:
                 outputs.append(self._fail(st, f"sampling failed: {e}"))

@@ -81,10 +81,10 @@ class OutputProcessor:
             consume(st.matcher, tok)
         seq.output_token_ids.append(tok)
         st.text += st.detok.push([tok])
+        if st.matcher is not None and st.matcher.is_stopped():  # complete: nothing may follow
+            return Stop("stop")
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
-                return Stop("stop")
-            if st.matcher is not None and st.matcher.is_stopped():  # the grammar is complete
                 return Stop("stop")
             if tok in p.stop_token_ids:
                 return Stop("stop", tok)
