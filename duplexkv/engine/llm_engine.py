@@ -19,13 +19,13 @@ from duplexkv.engine.admission import Admission, Prompt, RequestRejected
 from duplexkv.engine.builder import build
 from duplexkv.engine.calibration import Calibration
 from duplexkv.engine.config import EngineConfig
-from duplexkv.engine.grammar import Grammars, constrain
+from duplexkv.engine.grammar import Grammars
 from duplexkv.engine.host import HostOps
 from duplexkv.engine.kv_transfer import KVConnectorBase
 from duplexkv.engine.output_processor import OutputProcessor, ReqState, RequestOutput
 from duplexkv.engine.parallel import Choices, choice_params
 from duplexkv.engine.remote_kv import KVEvents, RemoteKV
-from duplexkv.engine.sampler import process_row, sample_row
+from duplexkv.engine.sampler import sample_token
 from duplexkv.engine.scheduler import ScheduledSeq, Scheduler
 from duplexkv.engine.sequence import Sequence
 from duplexkv.engine.state import EngineViews
@@ -184,16 +184,10 @@ class LLMEngine(Admission, KVEvents, EngineViews, HostOps):
             if st is None:  # a sibling choice's failure ended this request meanwhile
                 continue
             try:
-                row, seq = logits[i], st.seq
-
-                def process(r: torch.Tensor) -> None:
-                    process_row(r, seq.params, self.banned_tokens(seq), seq.prompt_token_ids,
-                                seq.output_token_ids)
-                if st.matcher is None:
-                    process(row)
-                else:
-                    constrain(row, st.matcher, process)
-                tok = sample_row(row, st.seq.params, st.generator)
+                seq = st.seq
+                tok = sample_token(logits[i], seq.params, self.banned_tokens(seq),
+                                   seq.prompt_token_ids, seq.output_token_ids, st.generator,
+                                   st.matcher)
             except Exception as e:
                 outputs.append(self._fail(st, f"sampling failed: {e}"))
                 continue
