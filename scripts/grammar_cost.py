@@ -3,8 +3,9 @@ one engine (no HTTP), float32, greedy.
 
     .venv/bin/python scripts/grammar_cost.py [--presets tiny bench] [--tokens 128] [--reps 5]
 
-Per preset: one sequence decoding alone, without a grammar (ignore_eos) and with a JSON schema
-that keeps it writing (an array of `--tokens`/8 small objects); then a batch of 4, two of each. ms
+Per preset: one sequence decoding alone, with a JSON schema that keeps it writing (an array of
+`--tokens`/8 small objects) and without a grammar for as many tokens (ignore_eos); then a batch of
+4, two of each. ms
 per token = the decode steps' wall time / the tokens they made (the prefill step excluded); the
 median and the minimum over --reps interleaved runs. Also the grammar's own work replayed along a
 real answer (llguidance's mask, applying it to a row of logits, consuming the token): what a
@@ -73,9 +74,11 @@ def main() -> None:
     for preset in args.presets:
         engine = LLMEngine(EngineConfig(model=preset, dtype="float32", num_kv_blocks=256))
         so = schema(max(1, args.tokens // 8))
-        free = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
-        guided = SamplingParams(max_tokens=4 * args.tokens, temperature=0, structured=so)
-        decode_ms_per_token(engine, [free])  # warm-up
+        guided = SamplingParams(max_tokens=8 * args.tokens, temperature=0, structured=so)
+        own, n = grammar_ms_per_token(engine, so, guided)  # also the warm-up
+        # as long as the guided answer (greedy: the same every time), so that a batch's rows
+        # end together and no row's ms/token comes from a thinner batch
+        free = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         rows = {"1 seq, no grammar": [free], "1 seq, grammar": [guided],
                 "4 seqs, no grammar": [free] * 4, "4 seqs, 2 with a grammar": [free, guided] * 2}
         ms: dict[str, list[float]] = {what: [] for what in rows}
@@ -85,7 +88,6 @@ def main() -> None:
         for what, vals in ms.items():
             print(f"{preset:6s} {what:26s} median {statistics.median(vals):7.3f}  min "
                   f"{min(vals):7.3f} ms/token")
-        own, n = grammar_ms_per_token(engine, so, guided)
         print(f"{preset:6s} {'grammar work alone':26s} {own:7.3f} ms/token (over a {n}-token "
               "answer: mask, apply, consume)")
 
