@@ -4,15 +4,17 @@ consumes every token the request appends (engine/output_processor.py).
 
 llguidance computes a mask lazily from the grammar's lexer and parser state in ~0.1 ms a token
 here (no vocabulary-wide precompilation), needs only the `tokenizers` JSON, and has no Python
-dependencies. One `LLTokenizer` per engine is made on first use (~15 ms tiny, ~110 ms bench);
-grammars are checked on the worker's prepare threads (`check`) and compiled on the engine thread
-when the request is added (`matcher`).
+dependencies. One `LLTokenizer` per engine is made on first use (~15 ms tiny, ~110 ms bench).
+Grammars are compiled on the worker's prepare threads (`check`: a bad one is a 400 there) and
+kept (the last 64 constraints); the engine thread gives each choice a copy (`matcher`), so a large
+schema never stalls the other requests' steps.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 import llguidance
@@ -22,6 +24,7 @@ from duplexkv.model.tokenizer import Tokenizer
 from duplexkv.wire.structured import StructuredOutput
 
 ANY_JSON_OBJECT = {"type": "object"}
+CACHE_SIZE = 64  # compiled grammars kept: agents send the same tool schemas turn after turn
 _BITS = torch.arange(8, dtype=torch.uint8)
 
 
@@ -46,10 +49,14 @@ def grammar_text(so: StructuredOutput) -> str:
 class Grammars:
     """Grammar matchers over one model's tokenizer (`vocab_size`: the logits' width)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int,
+                 cache_size: int = CACHE_SIZE) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._ll: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        # compiled matchers in their start state, by constraint, most recently used last
+        self._cache: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
+        self.cache_size = cache_size
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -60,6 +67,10 @@ class Grammars:
                     eos_token=list(self.tokenizer.eos_token_ids))
             return self._ll
 
+    @property
+    def num_compiled(self) -> int:
+        return len(self._cache)
+
     def _compiled(self, so: StructuredOutput) -> str:
         try:
             return grammar_text(so)
@@ -67,16 +78,31 @@ class Grammars:
             raise GrammarError(f"`{so.source}`: {_first_line(e)}") from None
 
     def check(self, so: StructuredOutput) -> None:
-        """Raise GrammarError naming the request field when `so` does not compile."""
-        err = llguidance.LLMatcher.validate_grammar(self._compiled(so), self.ll_tokenizer)
-        if err:
-            raise GrammarError(f"`{so.source}` cannot be compiled: {_first_line(err)}")
-
-    def matcher(self, so: StructuredOutput) -> llguidance.LLMatcher:
+        """Compile `so` (on a prepare thread, so that the engine thread only copies it); raise
+        GrammarError naming the request field when it does not compile."""
+        with self._lock:
+            if so in self._cache:
+                self._cache.move_to_end(so)
+                return
         m = llguidance.LLMatcher(self.ll_tokenizer, self._compiled(so))
         if m.is_error():
             raise GrammarError(f"`{so.source}` cannot be compiled: {_first_line(m.get_error())}")
-        return m
+        with self._lock:
+            self._cache[so] = m
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+
+    def matcher(self, so: StructuredOutput) -> llguidance.LLMatcher:
+        """A fresh matcher for one choice: a copy of the compiled one."""
+        with self._lock:
+            compiled = self._cache.get(so)
+        if compiled is None:  # not checked first (offline use), or evicted meanwhile
+            self.check(so)
+            with self._lock:
+                compiled = self._cache.get(so)
+        if compiled is None:
+            raise GrammarError(f"`{so.source}` could not be kept compiled")
+        return compiled.deep_copy()
 
 
 @torch.inference_mode()
