@@ -107,8 +107,10 @@ def test_structured_outputs_json_regex_choice_grammar(worker):
                                         "structured_outputs": {"regex": "[a-z]{1,8} = [0-9]"}})
     assert r.status_code == 200, r.text
     assert re.fullmatch("[a-z]{1,8} = [0-9]", r.json()["choices"][0]["text"])
-    r = worker.post("/v1/completions", {"model": worker.name, "prompt": "x", "max_tokens": 300,
+    r = worker.post("/v1/completions", {"model": worker.name, "prompt": "x", "max_tokens": 400,
+                                        "temperature": 0,
                                         "response_format": {"type": "json_object"}})
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
     assert isinstance(json.loads(r.json()["choices"][0]["text"]), dict)
 
 
