@@ -357,17 +357,17 @@ def test_one_requests_sampling_failure_spares_its_batch(tiny_model_dir, monkeypa
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     prompts = [list(range(10, 30)), list(range(40, 70)), list(range(80, 95))]
     alone = [llm.generate([p], sp)[0].token_ids for p in prompts]
-    real = llm_engine.sample_row
+    real = llm_engine.sample_token
 
-    def faulty(row, p, gen):
+    def faulty(*args):
         if faulty.calls == 4:  # second decode step, middle request
             faulty.calls += 1
             raise RuntimeError("boom")
         faulty.calls += 1
-        return real(row, p, gen)
+        return real(*args)
 
     faulty.calls = 0
-    monkeypatch.setattr(llm_engine, "sample_row", faulty)
+    monkeypatch.setattr(llm_engine, "sample_token", faulty)
     eng = llm.engine
     rids = [eng.add_request(p, sp).request_id for p in prompts]
     done = {}
