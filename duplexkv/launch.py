@@ -112,7 +112,7 @@ def spawn(name: str, args: list[str], log_dir: Path, env: dict | None = None,
     """Start `duplexkv ARGS` in its own session (a terminal's Ctrl-C goes to the launcher only).
     `die_with_parent` ties the child to the calling thread's life: spawn from the main thread.
     API key variables are not inherited: a child gets keys only through `env`. `prefix` runs the
-    command through another that execs it (e.g. `ip netns exec NS`, duplexkv/hosts)."""
+    command through another that execs it (e.g. `ip netns exec NS`, duplexkv_bench/hosts)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     cmd = [*prefix, sys.executable, "-m", "duplexkv.cli", *args]

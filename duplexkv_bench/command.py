@@ -1,6 +1,17 @@
-"""The benchmark scripts `duplexkv bench NAME` runs; each parses its own arguments."""
+"""`duplexkv bench NAME`: the command's parser. The `duplexkv` CLI finds it (and `demo`, in
+demo.py) through the `duplexkv.commands` entry points of pyproject.toml; the runtime package
+never imports this one.
+
+`multiturn` is parsed here (multiturn.py's flags); every other benchmark is a script that parses
+its own arguments: its words after the name reach its `main(argv)` untouched."""
 
 from __future__ import annotations
+
+import argparse
+import importlib
+
+from duplexkv import config_file
+from duplexkv_bench import multiturn
 
 SCRIPTS = {
     "reuse": "P's TTFT pulling history from D vs local hit vs recompute",
@@ -27,7 +38,23 @@ SCRIPTS = {
 
 
 def run_script(name: str, argv: list[str]) -> int:
-    import importlib
-
-    code = importlib.import_module(f"duplexkv.bench.{name}").main(argv)
+    code = importlib.import_module(f"duplexkv_bench.{name}").main(argv)
     return code if isinstance(code, int) else 0
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks: multiturn, " + ", ".join(SCRIPTS),
+                       description="Every benchmark of the project. `duplexkv bench NAME --help` "
+                                   "describes one; each prints its ratio against a baseline "
+                                   "measured in the same run.")
+    p.set_defaults(**{config_file.NOT_TAKEN: True})  # its benchmarks have flags of their own
+    bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    for name, what in SCRIPTS.items():
+        # no prefix characters: every word after the name, `--help` included, is the script's
+        s = bench.add_parser(name, help=what, add_help=False, prefix_chars="\0")
+        s.add_argument("argv", nargs=argparse.REMAINDER)
+        s.set_defaults(run=lambda args, name=name: run_script(name, args.argv))
+    m = bench.add_parser("multiturn", help="TTFT vs history length, reuse off / on / ideal",
+                         description=multiturn.__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    multiturn.add_arguments(m)

@@ -14,7 +14,7 @@ recorded turn as the oracle. The front-ends, in turn on every turn (order rotati
              `conversation_id` in the body as it requires
     on       our router with `conversation_id`: verified bidirectional reuse
 
-Agentic conversations (bench/workload.py), each front-end its own text of the same shape; turns
+Agentic conversations (workload.py), each front-end its own text of the same shape; turns
 streamed and timed on the client; P's D->P reads per turn from vLLM's
 `vllm:nixl_xfer_time_seconds_count`. The table: per prompt-length bucket, median TTFT per front-end
 and its ratio to `off`, turns where P read D's KV, answers equal (docs/results/vllm-multiturn.md).
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import httpx
 
-from duplexkv.bench import vllm_venv
-from duplexkv.bench.client import RequestFailed, Result, Target, chat_turn
-from duplexkv.bench.vs_vllm import cpu_line, loadavg
-from duplexkv.bench.workload import DEFAULT_SIZES, TextSource, materialise, plan
+from duplexkv_bench import vllm_venv
+from duplexkv_bench.client import RequestFailed, Result, Target, chat_turn
+from duplexkv_bench.vs_vllm import cpu_line, loadavg
+from duplexkv_bench.workload import DEFAULT_SIZES, TextSource, materialise, plan
 from duplexkv.flags import Accumulate
 from duplexkv.launch import Proc, spawn, wait_ready
 from duplexkv.model.registry import resolve_model
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     version = vllm_venv.installed_version(args.venv)
     if version is None:
-        print(f"vLLM does not import from {args.venv}: python -m duplexkv.bench.vllm_venv")
+        print(f"vLLM does not import from {args.venv}: python -m duplexkv_bench.vllm_venv")
         return 2
     model_dir = resolve_model(args.model)
     logs = Path(tempfile.mkdtemp(prefix="duplexkv-vllm-multiturn-"))

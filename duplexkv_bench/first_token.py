@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from duplexkv.bench.reuse import MISS, p_leg
+from duplexkv_bench.reuse import MISS, p_leg
 from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.flags import Accumulate
 from duplexkv.launch import bidirectional_kv, spawn, wait_ready, worker_args

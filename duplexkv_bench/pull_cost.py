@@ -11,7 +11,7 @@ compute the new tokens, its first token) and D's (READ P's new blocks, start fro
 Without URLs the benchmark launches D and the two Ps on this host (loopback). `--assumed-gbps G`
 gives both Ps' link models a stand-in bandwidth (e.g. 0.1 = 100 Mbit/s) while the bytes still
 move at loopback speed: the decisions are those of a slow link, the times are not.
-`--multihost --rate 100mbit 1gbit 10gbit` (root; bench/pull_cost_hosts.py) puts D and the two Ps
+`--multihost --rate 100mbit 1gbit 10gbit` (root; pull_cost_hosts.py) puts D and the two Ps
 on hosts of their own with every link shaped to each rate in turn: the link model measures the
 shaped link itself and the times are real. `--d-url --p-model-url --p-fixed-url` take running
 workers instead (P model: default KV config; P fixed: `"kv_recompute_threshold": 64`; both
@@ -197,7 +197,7 @@ def finish(args: argparse.Namespace, rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.multihost:
-        from duplexkv.bench.pull_cost_hosts import run
+        from duplexkv_bench.pull_cost_hosts import run
 
         return run(args)
     args.histories = args.histories or [32, 64, 256, 1024, 4096, 16384]

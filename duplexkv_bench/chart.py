@@ -7,8 +7,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from duplexkv.bench.client import Result
-from duplexkv.bench.report import MODE_NAMES, pct
+from duplexkv_bench.client import Result
+from duplexkv_bench.report import MODE_NAMES, pct
 
 COLORS = {"off": "tab:red", "on": "tab:green", "ideal": "tab:blue"}
 

@@ -23,7 +23,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from duplexkv.hosts.netns import Network
+from duplexkv_bench.hosts.netns import Network
 from duplexkv.launch import Proc, bidirectional_kv, spawn, wait_ready
 
 WORKER_PORT, ROUTER_PORT, REDIS_PORT = 8000, 8080, 6379

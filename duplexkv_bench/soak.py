@@ -37,8 +37,8 @@ from pathlib import Path
 import httpx
 
 from duplexkv import launch
-from duplexkv.bench.client import RequestFailed, Result, Target, chat_turn
-from duplexkv.bench.workload import Sizes, TextSource, materialise, plan
+from duplexkv_bench.client import RequestFailed, Result, Target, chat_turn
+from duplexkv_bench.workload import Sizes, TextSource, materialise, plan
 from duplexkv.engine.dtype import DTYPE_CHOICES, native_bf16_flag, read_cpu_flags
 from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.launch import Cluster, ClusterSpec

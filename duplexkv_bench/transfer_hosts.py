@@ -2,9 +2,9 @@
 
     duplexkv bench transfer --multihost --rate 1gbit 10gbit unlimited [--reps 5]
 
-Two hosts (duplexkv/hosts, needs root): a holder and a reader, each a process in its own network
-namespace, the holder's link limited to `--rate` in both directions by tc tbf (the rates are
-applied one after the other to the same pair of processes). For each rate and token count the
+Two hosts (duplexkv_bench/hosts, needs root): a holder and a reader, each a process in its own
+network namespace, the holder's link limited to `--rate` in both directions by tc tbf (the rates
+are applied one after the other to the same pair of processes). For each rate and token count the
 reader READs the bench model's KV (64 KiB per 16-token block, bf16, scattered block ids) with
 each transport, and a plain socket moves the same number of bytes over the same link in the same
 rounds. Reported: medians, the READ's goodput against the link rate and against the raw socket.
@@ -54,7 +54,7 @@ def _pool(num_blocks: int):
 
 def holder(addr: str, kinds: list[str], num_blocks: int) -> None:
     """Serve READs (and the raw socket) until stdin closes; first line out: the metadata."""
-    from duplexkv.bench.transfer import _raw_server
+    from duplexkv_bench.transfer import _raw_server
     from duplexkv.kv.transport.tcp_wire import pool_view
 
     pool = _pool(num_blocks)
@@ -80,7 +80,7 @@ def reader(addr: str, holder_addr: str, kinds: list[str], num_blocks: int, token
     """READ each size `reps` times per transport and over the raw socket; print JSON medians."""
     import torch
 
-    from duplexkv.bench.transfer import timed_raw, timed_read
+    from duplexkv_bench.transfer import timed_raw, timed_read
 
     pool = _pool(num_blocks)
     block_bytes = pool[0].numel() * pool.element_size()
@@ -148,14 +148,14 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         print("nixl not importable: skipping the NIXL transport")
         kinds = [k for k in kinds if k != "nixl"]
-    from duplexkv.hosts.netns import Network, can_build
+    from duplexkv_bench.hosts.netns import Network, can_build
 
     ok, why = can_build()
     if not ok:
         raise SystemExit(f"--multihost: {why}")
     env = {**os.environ, "DKV_BENCH_SECRET": secrets.token_hex(32), "UCX_TLS": "tcp",
            "UCX_NET_DEVICES": "eth0", "NIXL_LOG_LEVEL": "WARN", "OMP_WAIT_POLICY": "PASSIVE"}
-    me = [sys.executable, "-m", "duplexkv.bench.transfer_hosts", "--kinds", *kinds,
+    me = [sys.executable, "-m", "duplexkv_bench.transfer_hosts", "--kinds", *kinds,
           "--tokens", *map(str, args.tokens), "--reps", str(args.reps)]
     results = []
     with Network(["hold", "read"]) as net, tempfile.TemporaryDirectory() as tmp:

@@ -80,7 +80,7 @@ def setup(venv: Path) -> None:
 def install_plugin(py: Path) -> None:
     """duplexkv (for its vLLM plugin) into vLLM's venv, without dependencies: vLLM loads it
     through the `vllm.general_plugins` entry point. Skipped when the same plugin is there."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]  # the source tree: duplexkv_bench/ sits in it
     ours = root / "duplexkv" / "vllm_plugin.py"
     if not (root / "pyproject.toml").exists():
         print(f"vllm_venv: no duplexkv source tree at {root}: install the plugin into "
@@ -175,7 +175,7 @@ def start_vllm(venv: Path, model_dir: Path, dtype: str, max_model_len: int, core
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m duplexkv.bench.vllm_venv [VENV]`: make the venv (scripts/vllm_interop.sh)."""
+    """`python -m duplexkv_bench.vllm_venv [VENV]`: make the venv (scripts/vllm_interop.sh)."""
     args = sys.argv[1:] if argv is None else argv
     venv = Path(args[0]) if args else default_venv()
     setup(venv)

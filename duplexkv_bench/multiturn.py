@@ -22,56 +22,27 @@ import shlex
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from duplexkv.bench import report
-from duplexkv.bench.client import Result, Runner, Target
-from duplexkv.bench.scripts import SCRIPTS
-from duplexkv.bench.targets import BenchError, check_target, client_key, dtype_note, phases
-from duplexkv.bench.workload import (DEFAULT_SIZES, Conversation, Sizes, TextSource, load_file,
-                                     materialise, plan, total_tokens)
 from duplexkv.engine.dtype import DTYPE_CHOICES
 from duplexkv.flags import Accumulate
 from duplexkv.launch import LaunchError
 from duplexkv.model.registry import resolve_model
 from duplexkv.router.placement import DEFAULT_MODE, MODES
+from duplexkv_bench import report
+from duplexkv_bench.client import Result, Runner, Target
+from duplexkv_bench.multiturn_config import BenchConfig
+from duplexkv_bench.targets import BenchError, check_target, client_key, dtype_note, phases
+from duplexkv_bench.workload import (DEFAULT_SIZES, Conversation, Sizes, TextSource, load_file,
+                                     materialise, plan, total_tokens)
 
 CONNECTORS = ("TcpConnector", "NixlConnector")
 WARMUP = Sizes(32, (80, 96), (4, 4), max_turns=2)
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    workload: str = "agentic"  # agentic | chat | a JSON file
-    max_context: int = 16384
-    conversations: int | None = None  # None: 1 generated, or all of a file's
-    clients: int = 1
-    idle_s: float = 0.0
-    modes: tuple[str, ...] = report.MODES
-    sizes: Sizes | None = None  # None: the workload's defaults
-    seed: int = 0
-    model: str = "bench"
-    tokenizer: str | None = None  # default: the model's
-    url: str | None = None  # a running router; None = launch a cluster
-    ideal_url: str | None = None  # a running single worker for the ideal mode (with url)
-    connector: str = "TcpConnector"
-    placement: str = DEFAULT_MODE  # the launched router's --placement
-    kv_recompute_threshold: int | None = None  # None: the workers' cost model decides
-    dtype: str | None = None
-    output_dir: Path = field(default_factory=lambda: Path("out") / time.strftime(
-        "multiturn-%Y%m%d-%H%M%S"))
-    warmup: bool = True
-    reverse: bool = False  # run the modes ideal -> on -> off instead of off -> on -> ideal
-    command: str = ""
-
-    @property
-    def worker_flags(self) -> tuple[str, ...]:
-        return ("--dtype", self.dtype) if self.dtype else ()
 
 
 def conversations(cfg: BenchConfig, tok) -> list[Conversation]:
@@ -201,7 +172,7 @@ def run(cfg: BenchConfig, console: Console | None = None) -> dict:
     where = cfg.url or f"1P1D launched here, {os.cpu_count()} CPU cores, {note}"
     title = (f"{cfg.model}, {cfg.workload}, {len(convs)} conversation(s), {cfg.clients} at once "
              f"({where})")
-    from duplexkv.bench import chart  # matplotlib: only when needed
+    from duplexkv_bench import chart  # matplotlib: only when needed
 
     chart.plot(out / "ttft_vs_context.png", results, summary["modes"], title)
     console.print(f"took {took / 60:.1f} min; wrote {out / 'results.json'}, "
@@ -209,17 +180,8 @@ def run(cfg: BenchConfig, console: Console | None = None) -> dict:
     return doc
 
 
-def add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks: multiturn, " + ", ".join(SCRIPTS),
-                       description="Every benchmark of the project. `duplexkv bench NAME --help` "
-                                   "describes one; each prints its ratio against a baseline "
-                                   "measured in the same run.")
-    bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    for name, what in SCRIPTS.items():  # each parses its own arguments
-        bench.add_parser(name, help=what, add_help=False)  # cli.main runs it directly
-    m = bench.add_parser("multiturn", help="TTFT vs history length, reuse off / on / ideal",
-                         description=__doc__,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(m: argparse.ArgumentParser) -> None:
+    """`duplexkv bench multiturn`'s flags (its parser: command.py)."""
     m.add_argument("--url", help="a running router (default: launch a cluster)")
     m.add_argument("--ideal-url", help="with --url: a single worker with prefix caching on")
     m.add_argument("--model", default="bench", help="model to launch (default: bench)")

@@ -18,11 +18,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from duplexkv.bench.client import Result
-from duplexkv.bench.multiturn import BenchConfig, make_console, prepare, run_modes
-from duplexkv.bench.report import ratio
-from duplexkv.bench.targets import dtype_note
-from duplexkv.bench.workload import Sizes
+from duplexkv_bench.client import Result
+from duplexkv_bench.multiturn import make_console, prepare, run_modes
+from duplexkv_bench.multiturn_config import BenchConfig
+from duplexkv_bench.report import ratio
+from duplexkv_bench.targets import dtype_note
+from duplexkv_bench.workload import Sizes
 from duplexkv.launch import LaunchError
 from duplexkv.up import add_cluster_args
 

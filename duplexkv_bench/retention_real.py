@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from duplexkv.bench import retention as sim
+from duplexkv_bench import retention as sim
 from duplexkv.flags import Accumulate
 from duplexkv.launch import (
     bidirectional_kv,

@@ -122,7 +122,7 @@ def ucx_proto_info() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     if "--multihost" in (sys.argv[1:] if argv is None else argv):  # two hosts, shaped link
-        from duplexkv.bench.transfer_hosts import main as multihost
+        from duplexkv_bench.transfer_hosts import main as multihost
 
         return multihost(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

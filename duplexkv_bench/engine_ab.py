@@ -1,8 +1,9 @@
 """Two source trees' engines, alternated on the same prompts in one run: before/after a change.
 
-One process per tree (`PYTHONPATH=TREE`), each with the `bench` model loaded once; for every case
-and rep the two are asked in turn (the order alternating per rep), so neither always runs on a
-warmer or quieter machine. Each answers its TTFT (max_tokens 1) or median decode step, and the
+One process per tree (this file run as a script with `PYTHONPATH=TREE`: it imports the tree's
+`duplexkv`, wherever that tree keeps its benchmarks), each with the `bench` model loaded once;
+for every case and rep the two are asked in turn (the order alternating per rep), so neither
+always runs on a warmer or quieter machine. Each answers its TTFT (max_tokens 1) or median decode step, and the
 generated tokens, which must be the same for both trees.
 
     git worktree add /tmp/base main
@@ -23,9 +24,6 @@ import sys
 import time
 
 from duplexkv.flags import Accumulate
-
-WORKER = "duplexkv.bench.engine_ab"
-
 
 def parse_case(text: str) -> tuple[str, int, int]:
     """prefill:N -> ("prefill", N, 1); decode:NxB -> ("decode", N, B)."""
@@ -91,10 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, tree in (("old", args.old), ("new", args.new)):
         env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
         procs[name] = subprocess.Popen(
-            [sys.executable, "-m", WORKER, "--serve", str(max_len), args.dtype], env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=os.path.abspath(tree))
-        # cwd: `python -m` puts the working directory before PYTHONPATH on sys.path, so from
-        # inside one tree both processes used to import that tree's code
+            [sys.executable, os.path.abspath(__file__), "--serve", str(max_len), args.dtype],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            cwd=os.path.abspath(tree))
     try:
         for p in procs.values():
             while (line := p.stdout.readline()) and line.strip() != "ready":

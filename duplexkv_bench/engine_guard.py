@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from duplexkv import LLM
-from duplexkv.bench.engine_vs_hf import ours_decode, ours_prefill
+from duplexkv_bench.engine_vs_hf import ours_decode, ours_prefill
 from duplexkv.engine.dtype import cpu_bf16_status, read_cpu_flags
 from duplexkv.flags import Accumulate
 

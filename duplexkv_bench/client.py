@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from duplexkv.bench.workload import Conversation
+from duplexkv_bench.workload import Conversation
 
 perf = time.perf_counter
 

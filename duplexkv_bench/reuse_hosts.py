@@ -1,5 +1,5 @@
 """Cross-host reuse: a turn's TTFT with and without pulling the history from D, P and D on hosts
-of their own whose links are shaped (duplexkv/hosts, needs root).
+of their own whose links are shaped (duplexkv_bench/hosts, needs root).
 
     duplexkv bench reuse_hosts [--rate 1gbit 10gbit] [--lengths 8192 16384] [--reps 2]
         [--connector TcpConnector|NixlConnector]
@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> None:
                     choices=["TcpConnector", "NixlConnector"])
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    from duplexkv.hosts.cluster import HostCluster
-    from duplexkv.hosts.netns import Network, can_build
+    from duplexkv_bench.hosts.cluster import HostCluster
+    from duplexkv_bench.hosts.netns import Network, can_build
     from duplexkv.model.registry import resolve_model
 
     ok, why = can_build()

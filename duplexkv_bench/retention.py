@@ -38,7 +38,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from duplexkv.bench.retention_trace import BLOCK, Trace, Turn, blocks, make_trace
+from duplexkv_bench.retention_trace import BLOCK, Trace, Turn, blocks, make_trace
 from duplexkv.flags import Accumulate
 from duplexkv.kv.retention import RetentionTable
 
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="replay a short trace through a real router, P and D per policy")
     argv = list(argv or [])
     if "--real" in argv:  # its own arguments (retention_real.py)
-        from duplexkv.bench import retention_real
+        from duplexkv_bench import retention_real
 
         return retention_real.main([a for a in argv if a != "--real"])
     args = ap.parse_args(argv)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import httpx
 
@@ -18,9 +17,7 @@ from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, keys_from
 from duplexkv.launch import Cluster, ClusterSpec, spawn, stop_all, wait_ready, worker_args
 from duplexkv.model.registry import resolve_model
 from duplexkv.up import threshold_kv
-
-if TYPE_CHECKING:
-    from duplexkv.bench.multiturn import BenchConfig
+from duplexkv_bench.multiturn_config import BenchConfig
 
 Log = Callable[[str], None]
 

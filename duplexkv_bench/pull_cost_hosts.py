@@ -1,5 +1,6 @@
 """`duplexkv bench pull_cost --multihost`: the cost model against the fixed 64-token rule with
-P and D on hosts of their own (duplexkv/hosts, needs root), every link shaped to each `--rate`.
+P and D on hosts of their own (duplexkv_bench/hosts, needs root), every link shaped to each
+`--rate`.
 
     duplexkv bench pull_cost --multihost [--rate 100mbit 1gbit 10gbit] [--histories ...]
 
@@ -19,13 +20,13 @@ from pathlib import Path
 
 import httpx
 
-from duplexkv.bench.pull_cost import FIXED, common_args, finish, measure
+from duplexkv_bench.pull_cost import FIXED, common_args, finish, measure
 from duplexkv.engine.dtype import describe as describe_dtype
 
 
 def run(args: argparse.Namespace) -> int:
-    from duplexkv.hosts.cluster import HostCluster
-    from duplexkv.hosts.netns import Network, can_build
+    from duplexkv_bench.hosts.cluster import HostCluster
+    from duplexkv_bench.hosts.netns import Network, can_build
     from duplexkv.model.registry import resolve_model
 
     ok, why = can_build()
