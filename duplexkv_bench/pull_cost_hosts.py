@@ -8,8 +8,8 @@ Three hosts per rate, built afresh so that no link estimate carries over from th
 D, P "pm" deciding by its cost model (no stand-in: its link model measures the shaped link from
 its own READs; rep 0's pull on the 10 Gbit/s prior teaches it) and P "pf" with
 `kv_recompute_threshold: 64`, both `--no-enable-prefix-caching`. The turns and their order are
-pull_cost's `measure`; every byte between a P and D crosses two shaped links (tc tbf, both
-directions). The harness removes the namespaces on the way out, a failure or signal included.
+pull_cost_measure.py's `measure`; every byte between a P and D crosses two shaped links (tc tbf,
+both directions). The harness removes the namespaces on the way out, a failure or signal included.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from duplexkv_bench.pull_cost import FIXED, common_args, finish, measure
 from duplexkv.engine.dtype import describe as describe_dtype
+from duplexkv_bench.pull_cost_measure import FIXED, common_args, finish, measure
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import httpx
 
-from duplexkv_bench import retention as sim
 from duplexkv.flags import Accumulate
 from duplexkv.launch import (
     bidirectional_kv,
@@ -40,26 +39,28 @@ from duplexkv.launch import (
     wait_ready,
     worker_args,
 )
+from duplexkv_bench import retention_sim as sim
+from duplexkv_bench.retention_trace import Trace, Turn, blocks, make_trace
 
 OUT_TOKENS = 8
 MODEL = "tiny"
 
 
-def build_trace(args) -> sim.Trace:
+def build_trace(args) -> Trace:
     s = args.time_scale
-    return sim.make_trace(args.slots, args.minutes * s, args.seed, pace_median_s=10.0,
+    return make_trace(args.slots, args.minutes * s, args.seed, pace_median_s=10.0,
                           pace_sigma=args.pace_sigma, jitter=0.3, lease_s=60.0, ttl_s=480.0,
                           max_history=args.max_history, turn_tokens=(32, 160))
 
 
-def scaled(trace: sim.Trace, s: float) -> sim.Trace:
+def scaled(trace: Trace, s: float) -> Trace:
     """The same trace on a clock `s` times faster."""
-    turns = [sim.Turn(t.t / s, t.conv, t.k, t.history, t.next_t / s, t.deleted_at / s,
+    turns = [Turn(t.t / s, t.conv, t.k, t.history, t.next_t / s, t.deleted_at / s,
                       t.kept_alive) for t in trace.turns]
-    return sim.Trace(turns, trace.tokens, trace.lease_s / s, trace.ttl_s / s)
+    return Trace(turns, trace.tokens, trace.lease_s / s, trace.ttl_s / s)
 
 
-async def conversation(client: httpx.AsyncClient, url: str, turns: list[sim.Turn], t0: float,
+async def conversation(client: httpx.AsyncClient, url: str, turns: list[Turn], t0: float,
                        seed: int, out: list[dict]) -> None:
     rng = random.Random(seed)
     prompt: list[int] = []
@@ -89,8 +90,8 @@ async def conversation(client: httpx.AsyncClient, url: str, turns: list[sim.Turn
             await client.delete(f"{url}/v1/conversations/{cid}")
 
 
-async def drive(url: str, trace: sim.Trace, seed: int) -> list[dict]:
-    by_conv: dict[int, list[sim.Turn]] = defaultdict(list)
+async def drive(url: str, trace: Trace, seed: int) -> list[dict]:
+    by_conv: dict[int, list[Turn]] = defaultdict(list)
     for t in trace.turns:
         by_conv[t.conv].append(t)
     out: list[dict] = []
@@ -108,7 +109,7 @@ def metric_values(text: str, name: str) -> dict[str, float]:
     return out
 
 
-def run_policy(policy: str, trace: sim.Trace, args, log_dir: Path) -> dict:
+def run_policy(policy: str, trace: Trace, args, log_dir: Path) -> dict:
     s = args.time_scale
     kv = bidirectional_kv("TcpConnector", decoder_kv_eviction=policy,
                           decoder_kv_lease_duration=60.0 / s, decoder_kv_blocks_ttl=480.0 / s)
@@ -173,7 +174,7 @@ def main(argv: list[str]) -> int:
         args.pool_blocks = max(64, int(demand / args.oversubscription))
     over = demand / args.pool_blocks
     if not args.headroom:
-        args.headroom = sim.blocks(args.max_history)
+        args.headroom = blocks(args.max_history)
     print(f"trace: {args.slots} conversations at once, {len(trace.turns)} turns over "
           f"{args.minutes:g} min (clock x{args.time_scale:g}); D pool {args.pool_blocks} blocks "
           f"+ {args.headroom} for running turns; histories to keep {over:.2f}x the pool",

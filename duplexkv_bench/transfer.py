@@ -34,19 +34,10 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 from duplexkv.engine.dtype import cpu_bf16_status
-from duplexkv.kv.transport import XferState, make_transport
-
-BLOCK = (8, 2, 16, 2, 64)  # layers, k/v, tokens per block, kv heads, head dim
-BLOCK_TOKENS = 16
-
-
-def _raw_server(sock: socket.socket, mv: memoryview) -> None:
-    while True:
-        conn, _ = sock.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with conn:
-            while (req := conn.recv(8)) and len(req) == 8:
-                conn.sendall(mv[: int.from_bytes(req, "big")])
+from duplexkv.kv.transport import make_transport
+from duplexkv_bench import transfer_hosts
+from duplexkv_bench.transfer_timing import (BLOCK, BLOCK_TOKENS, CLAIM, raw_server, timed_raw,
+                                           timed_read)
 
 
 def _make(kind: str, engine_id: str, progress_ms: float, nixl_threads: int = 0):
@@ -65,9 +56,9 @@ def holder(kinds: list[str], num_blocks: int, progress_ms: float, nixl_threads: 
     for t in ts.values():
         t.register(pool)
     raw = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_server, args=(raw, pool_view(pool)), daemon=True).start()
+    threading.Thread(target=raw_server, args=(raw, pool_view(pool)), daemon=True).start()
     # one claim over the whole pool (NIXL READs need its grant; TCP has no authorizer here)
-    grants = {k: t.expose(b"bench-claim-0000", tuple(range(num_blocks))) for k, t in ts.items()}
+    grants = {k: t.expose(CLAIM, tuple(range(num_blocks))) for k, t in ts.items()}
     q_out.put(({k: t.metadata() for k, t in ts.items()}, grants, raw.getsockname()[1]))
     while not stop.is_set():  # the worker loop: take notifications
         for t in ts.values():
@@ -75,27 +66,6 @@ def holder(kinds: list[str], num_blocks: int, progress_ms: float, nixl_threads: 
         time.sleep(0.001)
     for t in ts.values():
         t.close()
-
-
-def timed_read(t, peer: str, local: list[int], remote: list[int], grant: bytes) -> float:
-    t0 = time.perf_counter()
-    h = t.read(peer, local, remote, b"done", grant=grant)
-    while t.poll(h) is XferState.PENDING:
-        pass
-    dt = time.perf_counter() - t0
-    if h.state is not XferState.DONE:
-        raise RuntimeError(f"{t.name} READ failed: {h.error}")
-    t.release(h)
-    return dt
-
-
-def timed_raw(sock: socket.socket, view: memoryview) -> float:
-    t0 = time.perf_counter()
-    sock.sendall(len(view).to_bytes(8, "big"))
-    pos = 0
-    while pos < len(view):
-        pos += sock.recv_into(view[pos:])
-    return time.perf_counter() - t0
 
 
 def ucx_proto_info() -> str:
@@ -122,9 +92,7 @@ def ucx_proto_info() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     if "--multihost" in (sys.argv[1:] if argv is None else argv):  # two hosts, shaped link
-        from duplexkv_bench.transfer_hosts import main as multihost
-
-        return multihost(argv)
+        return transfer_hosts.main(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", action=Accumulate, default=[2048, 8192, 16384])
     ap.add_argument("--reps", type=int, default=9)

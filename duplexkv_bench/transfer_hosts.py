@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 from duplexkv.flags import Accumulate
+from duplexkv_bench.transfer_timing import (BLOCK, BLOCK_TOKENS, CLAIM, raw_server, timed_raw,
+                                           timed_read)
 
-BLOCK = (8, 2, 16, 2, 64)  # the bench model: layers, k/v, tokens per block, kv heads, head dim
-BLOCK_TOKENS = 16
 RAW_PORT = 7100
 
 
@@ -53,8 +53,8 @@ def _pool(num_blocks: int):
 
 
 def holder(addr: str, kinds: list[str], num_blocks: int) -> None:
-    """Serve READs (and the raw socket) until stdin closes; first line out: the metadata."""
-    from duplexkv_bench.transfer import _raw_server
+    """Serve READs (and the raw socket) until stdin closes; first line out: each transport's
+    metadata and the grant of the one claim over the whole pool (NIXL READs need it)."""
     from duplexkv.kv.transport.tcp_wire import pool_view
 
     pool = _pool(num_blocks)
@@ -62,9 +62,10 @@ def holder(addr: str, kinds: list[str], num_blocks: int) -> None:
     for t in ts.values():
         t.register(pool)
     raw = socket.create_server((addr, RAW_PORT))
-    threading.Thread(target=_raw_server, args=(raw, pool_view(pool)), daemon=True).start()
-    print(json.dumps({k: base64.b64encode(t.metadata()).decode() for k, t in ts.items()}),
-          flush=True)
+    threading.Thread(target=raw_server, args=(raw, pool_view(pool)), daemon=True).start()
+    b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    print(json.dumps({k: [b64(t.metadata()), b64(t.expose(CLAIM, tuple(range(num_blocks))))]
+                      for k, t in ts.items()}), flush=True)
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     while not stop.is_set():
@@ -80,16 +81,16 @@ def reader(addr: str, holder_addr: str, kinds: list[str], num_blocks: int, token
     """READ each size `reps` times per transport and over the raw socket; print JSON medians."""
     import torch
 
-    from duplexkv_bench.transfer import timed_raw, timed_read
-
     pool = _pool(num_blocks)
     block_bytes = pool[0].numel() * pool.element_size()
-    ts = {}
+    ts, grants = {}, {}
     for k in kinds:
         ts[k] = _transport(k, addr, f"reader-{k}")
         ts[k].register(pool)
-        ts[k].connect(f"holder-{k}", base64.b64decode(metas[k]))
-        timed_read(ts[k], f"holder-{k}", [0, 1], [2, 3])
+        meta, grant = (base64.b64decode(x) for x in metas[k])
+        grants[k] = grant
+        ts[k].connect(f"holder-{k}", meta)
+        timed_read(ts[k], f"holder-{k}", [0, 1], [2, 3], grant)
     raw = socket.create_connection((holder_addr, RAW_PORT))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = memoryview(bytearray(max(tokens) // BLOCK_TOKENS * block_bytes))
@@ -103,7 +104,7 @@ def reader(addr: str, holder_addr: str, kinds: list[str], num_blocks: int, token
             local = torch.randperm(num_blocks, generator=g)[:n].tolist()
             remote = torch.randperm(num_blocks, generator=g)[:n].tolist()
             for k, t in ts.items():
-                times[k].append(timed_read(t, f"holder-{k}", local, remote))
+                times[k].append(timed_read(t, f"holder-{k}", local, remote, grants[k]))
             times["raw"].append(timed_raw(raw, buf[: n * block_bytes]))
         out.append({"tokens": n_tok, "bytes": n * block_bytes,
                     "median_s": {m: statistics.median(v) for m, v in times.items()}})

@@ -126,7 +126,8 @@ def test_sources_point_at_pages_that_exist():
     """Docstrings and comments name doc pages by path (docs/x.md, tests/README.md), never 'the
     README' for a detail that now lives in docs/."""
     sources = [*(ROOT / "duplexkv").rglob("*.py"), *(ROOT / "duplexkv").rglob("*.[ch]"),
-               *TESTS.glob("*.py"), *(ROOT / "scripts").glob("*")]
+               *(ROOT / "duplexkv_bench").rglob("*.py"), *TESTS.glob("*.py"),
+               *(ROOT / "scripts").glob("*")]
     bad = []
     for path in sources:
         if path == Path(__file__).resolve():
