@@ -32,13 +32,8 @@ from pathlib import Path
 import httpx
 
 from duplexkv.flags import Accumulate
-from duplexkv.launch import (
-    bidirectional_kv,
-    spawn,
-    stop_all,
-    wait_ready,
-    worker_args,
-)
+from duplexkv.launch import (bidirectional_kv, router_args, spawn, stop_all, wait_ready,
+                             worker_args)
 from duplexkv_bench import retention_sim as sim
 from duplexkv_bench.retention_trace import Trace, Turn, blocks, make_trace
 
@@ -123,9 +118,9 @@ def run_policy(policy: str, trace: Trace, args, log_dir: Path) -> dict:
     procs = [p, d]
     try:
         wait_ready([p, d])
-        router = spawn(f"router-{policy}", [
-            "router", "--port", "0", "--prefill", p.url, "--decode", d.url,
-            "--lease-renew-period", str(10.0 / s), "--placement", "prefill"],  # P pulls hits
+        router = spawn(f"router-{policy}", router_args(
+            [p.url], [d.url], "--lease-renew-period", str(10.0 / s),
+            "--placement", "prefill"),  # P pulls hits
             log_dir, die_with_parent=True)
         procs.append(router)
         wait_ready([router])

@@ -29,10 +29,12 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-DUPLEXKV = str(Path(sys.executable).parent / "duplexkv")
+from duplexkv.launch import Proc, router_args, spawn, wait_ready
+
 KV_STATS = {"local_hit_tokens": 0, "pulled_tokens": 0, "computed_tokens": 20,
             "transfer_bytes": 0, "transfer_ms": 0.0, "queue_ms": 0.1, "prefill_ms": 1.0,
             "preemptions": 0, "pull_outcome": ""}
@@ -169,22 +171,12 @@ def router_overhead_p50(metrics: str) -> tuple[float, int]:
     return float("nan"), int(total)
 
 
-def start_router(p_port: int, d_port: int, log: Path, upstream_http: str
-                 ) -> tuple[subprocess.Popen, int]:
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([DUPLEXKV, "router", "--prefill", f"http://127.0.0.1:{p_port}",
-                                 "--decode", f"http://127.0.0.1:{d_port}", "--port", "0",
-                                 "--upstream-http", upstream_http],
-                                stdout=fh, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = re.search(r"router listening on http://[\d.]+:(\d+)", log.read_text())
-        if m:
-            return proc, int(m.group(1))
-        if proc.poll() is not None:
-            raise RuntimeError(log.read_text())
-        time.sleep(0.05)
-    raise TimeoutError(log.read_text())
+def start_router(p_port: int, d_port: int, log_dir: Path, upstream_http: str) -> Proc:
+    router = spawn("router_overhead_router", router_args(
+        [f"http://127.0.0.1:{p_port}"], [f"http://127.0.0.1:{d_port}"],
+        "--upstream-http", upstream_http), log_dir)
+    wait_ready([router], timeout_s=30, probe=None)
+    return router
 
 
 async def main_async(args, r_port: int, d_port: int) -> dict:
@@ -222,8 +214,9 @@ def main(argv: list[str] | None = None) -> None:
     stubs = subprocess.Popen([sys.executable, __file__, "--stub", str(p_port), str(d_port)],
                              stdout=subprocess.PIPE)
     assert stubs.stdout.readline().strip() == b"stubs ready"
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"router_overhead_{os.getpid()}.log"
-    router, r_port = start_router(p_port, d_port, log, args.upstream_http)
+    logs = Path(tempfile.mkdtemp(prefix="duplexkv-router-overhead-"))
+    router = start_router(p_port, d_port, logs, args.upstream_http)
+    r_port = int(router.url.rsplit(":", 1)[1])
     try:
         time.sleep(0.5)  # first health checks
         res = asyncio.run(main_async(args, r_port, d_port))
@@ -232,9 +225,8 @@ def main(argv: list[str] | None = None) -> None:
         p50_self, n_self = router_overhead_p50(
             httpx.get(f"http://127.0.0.1:{r_port}/metrics").text)
     finally:
-        router.terminate()
+        router.stop(10)
         stubs.terminate()
-        router.wait(10)
         stubs.wait(10)
     d, r = res["d"], res["r"]
     print(f"router overhead (--upstream-http {args.upstream_http}), {args.requests} interleaved "

@@ -27,23 +27,21 @@ import asyncio
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
+from duplexkv.flags import Accumulate
+from duplexkv.launch import LaunchError, router_args, spawn, start, wait_ready
+from duplexkv.model.registry import resolve_model
 from duplexkv_bench import vllm_venv
 from duplexkv_bench.client import RequestFailed, Result, Target, chat_turn
 from duplexkv_bench.vs_vllm import cpu_line, loadavg
 from duplexkv_bench.workload import DEFAULT_SIZES, TextSource, materialise, plan
-from duplexkv.flags import Accumulate
-from duplexkv.launch import Proc, spawn, wait_ready
-from duplexkv.model.registry import resolve_model
 
 KV = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
       "kv_connector_extra_config": {"bidirectional_kv_xfer": True}}
@@ -132,9 +130,8 @@ class Bench:
             servers = {n: f.result() for n, f in futures.items()}
         self.stops += [s.stop for s in servers.values()]
         self.urls.update({n: s.url for n, s in servers.items()})
-        router = spawn("router", ["router", "--host", "127.0.0.1", "--port", "0",
-                                  "--prefill", self.urls["prefill"],
-                                  "--decode", self.urls["decode"]], self.logs)
+        router = spawn("router", router_args([self.urls["prefill"]], [self.urls["decode"]]),
+                       self.logs)
         self.stops.append(router.stop)
         wait_ready([router])
         self.urls["off"] = self.urls["on"] = router.url
@@ -149,26 +146,17 @@ class Bench:
     def _start_proxy(self) -> str:
         p_port, d_port = (self.urls[n].rsplit(":", 1)[1] for n in ("prefill", "decode"))
         port = vllm_venv.free_port()
-        log = self.logs / "proxy.log"
-        with open(log, "wb") as fh:
-            proc = subprocess.Popen(
-                [sys.executable, str(self.args.proxy), "--host", "127.0.0.1", "--port", str(port),
-                 "--prefiller-host", "127.0.0.1", "--prefiller-port", p_port,
-                 "--decoder-host", "127.0.0.1", "--decoder-port", d_port],
-                stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
-        self.stops.append(Proc("proxy", proc, log).stop)
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        raise RuntimeError(f"vLLM's sample proxy did not start; see {log}")
+        proxy = start("proxy", [sys.executable, str(self.args.proxy), "--host", "127.0.0.1",
+                                "--port", str(port), "--prefiller-host", "127.0.0.1",
+                                "--prefiller-port", p_port, "--decoder-host", "127.0.0.1",
+                                "--decoder-port", d_port], self.logs,
+                      url=f"http://127.0.0.1:{port}")
+        self.stops.append(proxy.stop)
+        try:
+            wait_ready([proxy], timeout_s=60)
+        except LaunchError as e:
+            raise RuntimeError(f"vLLM's sample proxy did not start: {e}") from None
+        return proxy.url
 
     def stop(self) -> None:
         for stop in reversed(self.stops):

