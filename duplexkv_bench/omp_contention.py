@@ -3,7 +3,7 @@
 Runs a prefill-heavy and a decode-heavy engine job (the `bench` model) as two processes, first
 each alone, then both at once, under each policy; prints wall times and the contended/alone
 ratio. `duplexkv up` and the benchmark's cluster start their workers with PASSIVE (see
-duplexkv/launch.py) because of what this measures.
+duplexkv/launch/process.py) because of what this measures.
 
     .venv/bin/python duplexkv bench omp_contention [--reps 2]
 """

@@ -44,7 +44,7 @@ def auth_headers() -> dict[str, str]:
 
 
 def check_target(url: str, what: str) -> str:
-    """The served model's name; BenchError when `url` is not a healthy duplexkv/vLLM server."""
+    """The served model's name; BenchError when `url` is not a healthy duplexkv or vLLM server."""
     try:
         health = httpx.get(url + "/health", timeout=10)
         models = httpx.get(url + "/v1/models", timeout=10, headers=auth_headers())
