@@ -21,11 +21,11 @@ import time
 
 import torch
 
-from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.kv import messages as m
 from duplexkv.kv import side_channel
 from duplexkv.kv.auth import KVAuth, SIGNATURE_KEY
 from duplexkv.kv.transport import make_transport
+from duplexkv.wire.kv_params import KVTransferParams
 
 BLOCK = 16
 

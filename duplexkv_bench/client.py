@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -149,11 +149,11 @@ class Runner:
         self.target, self.clients, self.idle_s = target, clients, idle_s
         self.on_result, self.timeout_s = on_result, timeout_s
 
-    async def conversation(self, client: httpx.AsyncClient, conv: Conversation, t_start: float,
-                           record: bool) -> list[Result]:
+    async def turns(self, client: httpx.AsyncClient, conv: Conversation, t_start: float,
+                    record: bool = True) -> AsyncIterator[Result]:
+        """The conversation's turns one at a time (a failed turn is the last)."""
         messages = [{"role": "system", "content": conv.system}] if conv.system else []
         cid = f"{self.target.tag}-{self.target.mode}-{conv.id}"
-        out = []
         for k, turn in enumerate(conv.turns):
             if k and self.idle_s:
                 await asyncio.sleep(self.idle_s)
@@ -164,21 +164,26 @@ class Runner:
                                          r)
             except (RequestFailed, httpx.HTTPError, ValueError) as e:
                 r.error = f"{type(e).__name__}: {e}"
-            out.append(r)
             if record:
                 self.on_result(r)
+            yield r
             if r.error:
-                break
+                return
             messages.append({"role": "assistant", "content": answer})
-        return out
+
+    async def conversation(self, client: httpx.AsyncClient, conv: Conversation, t_start: float,
+                           record: bool) -> list[Result]:
+        return [r async for r in self.turns(client, conv, t_start, record)]
+
+    def client(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=self.clients + 4)
+        return httpx.AsyncClient(timeout=self.timeout_s, limits=limits, trust_env=False)
 
     async def run(self, convs: list[Conversation], record: bool = True) -> list[Result]:
         queue = list(convs)
         results: list[Result] = []
         t_start = perf()
-        limits = httpx.Limits(max_connections=self.clients + 4)
-        async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits,
-                                     trust_env=False) as client:
+        async with self.client() as client:
             async def worker() -> None:
                 while queue:
                     results.extend(await self.conversation(client, queue.pop(0), t_start,

@@ -6,28 +6,77 @@ the conversation, so without reuse it recomputes the whole history every turn. W
 router chooses per turn (`--placement auto`, the default): the conversation's D, which holds the
 history, prefills only the new tokens itself, or P READs the history's KV from that D
 (`--placement prefill`: always P).
+
+Both modes are measured alike on one cluster, turn by turn, the modes alternating (off then on,
+then on then off, ...), so that neither meets a colder cluster or a drifting machine more than
+the other. First, unrecorded, each runs its own first turn and a second turn of other text
+under another conversation id: P and D then know the first turn's exact length (CPU kernels are
+compiled per input length: whichever mode met it second would look faster) and every path of a
+turn. Turn 1, where nothing can be reused, shows about 1.0x.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import tempfile
 import time
+import uuid
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from duplexkv_bench.client import Result
-from duplexkv_bench.multiturn import make_console, prepare, run_modes
-from duplexkv_bench.multiturn_config import BenchConfig
-from duplexkv_bench.report import ratio
-from duplexkv_bench.targets import dtype_note
-from duplexkv_bench.workload import Sizes
 from duplexkv.launch import LaunchError
 from duplexkv.up import add_cluster_args
+from duplexkv_bench.client import Result, Runner, Target
+from duplexkv_bench.multiturn import live, make_console, prepare
+from duplexkv_bench.multiturn_config import BenchConfig
+from duplexkv_bench.report import ratio
+from duplexkv_bench.targets import client_key, dtype_note, phases
+from duplexkv_bench.workload import Conversation, Sizes, TextSource, materialise
 
 DEMO_SIZES = Sizes(1024, (1024, 1536), (48, 64))
+
+
+async def alternate(runners: dict[str, Runner], convs: dict[str, Conversation],
+                    record: bool = True) -> list[Result]:
+    """Each mode's conversation turn by turn, the modes taking turns in alternating order."""
+    results: list[Result] = []
+    order = list(runners)
+    async with runners[order[0]].client() as client:
+        t0 = time.perf_counter()
+        steps = {m: runners[m].turns(client, convs[m], t0, record) for m in order}
+        while steps:
+            for mode in [m for m in order if m in steps]:
+                try:
+                    results.append(await anext(steps[mode]))
+                except StopAsyncIteration:
+                    del steps[mode]
+            order.reverse()
+    return results
+
+
+def warmup(timed: Conversation, other: Conversation) -> Conversation:
+    """The timed conversation's first turn (its system prompt, its text), then `other`'s second."""
+    return replace(timed, id="warmup", turns=(timed.turns[0], *other.turns[1:2]))
+
+
+def run_alternating(cfg: BenchConfig, console: Console, conv: Conversation,
+                    source: TextSource) -> list[Result]:
+    """Off and on on one cluster: both warmed alike, then timed turn by turn, alternating."""
+    tag = uuid.uuid4().hex[:8]
+    with live(console, cfg.modes, len(conv.turns)) as display:
+        ((modes, target_cm),) = phases(cfg, display.log)  # off and on: one launched cluster
+        with target_cm() as (url, model):
+            runners = {m: Runner(Target(m, url, model, m == "on", tag, client_key()),
+                                 on_result=display.recorder(m)) for m in modes}
+            timed = {m: materialise([conv], source, cfg.seed, m)[0] for m in modes}
+            warm = {m: warmup(timed[m], materialise([conv], source, cfg.seed, f"warmup-{m}")[0])
+                    for m in modes}
+            asyncio.run(alternate(runners, warm, record=False))
+            return asyncio.run(alternate(runners, timed))
 
 
 def demo_table(results: list[Result]) -> Table:
@@ -70,10 +119,11 @@ def _s(r: Result | None) -> str:
 def run(cfg: BenchConfig, console: Console | None = None) -> list[Result]:
     console = console or make_console()
     t0 = time.perf_counter()
-    console.print(__doc__.split("\n\n")[1].replace("\n", " "))
-    convs, source = prepare(cfg, console)
+    for paragraph in __doc__.split("\n\n")[1:3]:
+        console.print(paragraph.replace("\n", " "))
+    (conv,), source = prepare(cfg, console)  # one conversation
     console.print(dtype_note(cfg))
-    results, _ = run_modes(cfg, console, convs, source)
+    results = run_alternating(cfg, console, conv, source)
     console.print(demo_table(results))
     last = max((r.turn for r in results if r.mode == "on" and not r.error), default=0)
     pair = [r for r in results if r.turn == last and not r.error]

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from duplexkv import LLM
-from duplexkv_bench.engine_vs_hf import ours_decode, ours_prefill
 from duplexkv.engine.dtype import cpu_bf16_status, read_cpu_flags
 from duplexkv.flags import Accumulate
+from duplexkv_bench.engine_vs_hf import ours_decode, ours_prefill
 
 BASELINE = "docs/results/engine-guard-float32.json"
 # the flags that decide which kernels PyTorch runs on x86 (and so what a timing means)

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import httpx
 
-from duplexkv_bench.reuse import MISS, p_leg
 from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.flags import Accumulate
 from duplexkv.launch import bidirectional_kv, spawn, wait_ready, worker_args
+from duplexkv_bench.reuse import MISS, p_leg
 
 
 def d_leg(client: httpx.Client, url: str, prompt: list[int], params: dict) -> tuple[float, str,

@@ -16,12 +16,14 @@ tables on the terminal, results.json, results.md and ttft_vs_context.png in --ou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -66,35 +68,50 @@ def result_line(r: Result) -> str:
             f"TTFT {r.ttft_ms:8,.0f} ms  {reuse}  recomputed {r.recomputed_tokens:6,d}")
 
 
+class Live:
+    """The terminal while modes run: a progress bar per mode, each result's line above them."""
+
+    def __init__(self, progress: Progress, modes: tuple[str, ...], turns: int) -> None:
+        self.progress = progress
+        self.log = progress.console.print
+        self.tasks = {m: progress.add_task(report.MODE_NAMES[m], total=turns, last="")
+                      for m in report.MODES if m in modes}
+
+    def recorder(self, mode: str) -> Callable[[Result], None]:
+        """A Runner's on_result for `mode`."""
+        task = self.tasks[mode]
+
+        def on_result(r: Result) -> None:
+            self.progress.advance(task)
+            self.log(result_line(r))
+            if r.ttft_ms is not None:
+                self.progress.update(task, last=f"context {r.context_tokens:,}  "
+                                                f"TTFT {r.ttft_ms:,.0f} ms")
+        return on_result
+
+
+@contextlib.contextmanager
+def live(console: Console, modes: tuple[str, ...], turns: int) -> Iterator[Live]:
+    columns = (TextColumn("{task.description:20s}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("{task.fields[last]}"))
+    with Progress(*columns, console=console) as progress:
+        yield Live(progress, modes, turns)
+
+
 def run_modes(cfg: BenchConfig, console: Console, convs: list[Conversation],
               source: TextSource) -> tuple[list[Result], dict[str, float]]:
     results: list[Result] = []
     wall: dict[str, float] = {}
     tag = uuid.uuid4().hex[:8]
-    turns = sum(len(c.turns) for c in convs)
-    columns = (TextColumn("{task.description:20s}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(), TextColumn("{task.fields[last]}"))
-    with Progress(*columns, console=console) as progress:
-        log = progress.console.print
-        tasks = {m: progress.add_task(report.MODE_NAMES[m], total=turns, last="")
-                 for m in report.MODES if m in cfg.modes}
-        order = phases(cfg, log)
+    with live(console, cfg.modes, sum(len(c.turns) for c in convs)) as display:
+        order = phases(cfg, display.log)
         if cfg.reverse:  # drift between phases then biases the ratios the other way
             order = [(tuple(reversed(modes)), cm) for modes, cm in reversed(order)]
         for modes, target_cm in order:
             with target_cm() as (url, model):
                 for mode in modes:
-                    task = tasks[mode]
-
-                    def on_result(r: Result, task=task) -> None:
-                        progress.advance(task)
-                        log(result_line(r))
-                        if r.ttft_ms is not None:
-                            progress.update(task, last=f"context {r.context_tokens:,}  "
-                                                       f"TTFT {r.ttft_ms:,.0f} ms")
-
                     target = Target(mode, url, model, mode == "on", tag, client_key())
-                    runner = Runner(target, cfg.clients, cfg.idle_s, on_result)
+                    runner = Runner(target, cfg.clients, cfg.idle_s, display.recorder(mode))
                     if cfg.warmup:
                         warm = [replace(c, id="warmup")
                                 for c in plan("agentic", WARMUP, 1, 10**6, cfg.seed)]

@@ -37,13 +37,13 @@ from pathlib import Path
 import httpx
 
 from duplexkv import launch
-from duplexkv_bench.client import RequestFailed, Result, Target, chat_turn
-from duplexkv_bench.workload import Sizes, TextSource, materialise, plan
 from duplexkv.engine.dtype import DTYPE_CHOICES, native_bf16_flag, read_cpu_flags
 from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.launch import Cluster, ClusterSpec
 from duplexkv.model.registry import resolve_model
 from duplexkv.model.tokenizer import Tokenizer
+from duplexkv_bench.client import RequestFailed, Result, Target, chat_turn
+from duplexkv_bench.workload import Sizes, TextSource, materialise, plan
 
 # short turns over a few thousand tokens of history: many requests, retention under pressure
 SOAK_SIZES = Sizes(256, (100, 400), (32, 96), max_turns=8, first_prefix=(500, 1500))

@@ -36,11 +36,11 @@ from pathlib import Path
 
 import httpx
 
-from duplexkv_bench import vllm_venv
 from duplexkv.engine.dtype import cpu_bf16_status, native_bf16_flag, read_cpu_flags
 from duplexkv.flags import Accumulate
 from duplexkv.launch import spawn, wait_ready, worker_args
 from duplexkv.model.registry import resolve_model
+from duplexkv_bench import vllm_venv
 
 TARGETS = {"ttft": 0.9, "tpot": 0.8}  # issue 18: ours / vLLM at most this
 

@@ -42,6 +42,22 @@ def test_core_dependencies_are_a_workers_and_extras_hold_the_rest():
     assert "END OF TERMS AND CONDITIONS" in text and project["license"] == "Apache-2.0"
 
 
+def test_demo_and_bench_come_from_the_benchmark_package_by_entry_points():
+    """The runtime's CLI lists `demo` and `bench` because pyproject.toml's `duplexkv.commands`
+    entry points name their parsers in duplexkv_bench, shipped in the same distribution (the
+    runtime never imports it: test_layering.py)."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    declared = pyproject["project"]["entry-points"]["duplexkv.commands"]
+    assert sorted(declared) == ["bench", "demo"]
+    assert all(v.startswith("duplexkv_bench.") for v in declared.values()), declared
+    assert "duplexkv_bench" in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    installed = {ep.name: ep for ep in importlib.metadata.entry_points(group="duplexkv.commands")}
+    assert {n: ep.value for n, ep in installed.items()} == declared  # the install is current
+    assert all(callable(ep.load()) for ep in installed.values())
+    r = subprocess.run([DUPLEXKV, "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and " demo " in r.stdout and " bench " in r.stdout, r.stdout
+
+
 def test_version():
     r = subprocess.run([DUPLEXKV, "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0
