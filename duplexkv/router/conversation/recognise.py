@@ -37,7 +37,7 @@ from duplexkv.router.request import ClientRequest
 
 MAX_LOOKUPS = 3
 KEY_HEX = 40
-_DOMAIN = b"duplexkv.recognise.v1\x00"
+_DOMAIN = b"duplexkv-recognise-v1\x00"
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), sort_keys=True,
                          check_circular=False)
 _NAMESPACE_FIELDS = ("tools", "chat_template", "chat_template_kwargs")

@@ -2,7 +2,7 @@
 request's messages (duplexkv/router/conversation/recognise.py) and the store lookups, for a
 history of about 100k tokens cut into few long or many short messages.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/recognise_cost.py [--tokens 100000] [--reps 200]
+    .venv/bin/python -m duplexkv_bench.recognise_cost [--tokens 100000] [--reps 200]
 
 The history is Python standard-library source (what the default `bench` model's tokenizer was
 trained on), counted in that tokenizer's tokens; the last message is a new user message, so the
