@@ -104,6 +104,8 @@ async def chat_turn(client: httpx.AsyncClient, target: Target, messages: list[di
     if target.send_conversation_id:
         body["conversation_id"] = conversation_id
         headers["X-Session-ID"] = conversation_id
+    elif target.mode == "off":  # plain P/D: the router recognises no conversation either
+        body["conversation_id"] = ""
     parts: list[str] = []
     first = last = None
     t0 = perf()

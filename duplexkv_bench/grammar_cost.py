@@ -1,7 +1,7 @@
 """What a grammar costs per generated token: decode steps with and without a structured output, on
 one engine (no HTTP), float32, greedy.
 
-    .venv/bin/python scripts/grammar_cost.py [--presets tiny bench] [--tokens 128] [--reps 5]
+    .venv/bin/python -m duplexkv_bench.grammar_cost [--presets tiny bench] [--tokens 128] [--reps 5]
 
 Per preset: one sequence decoding alone, with a JSON schema that keeps it writing (an array of
 `--tokens`/8 small objects) and without a grammar for as many tokens (ignore_eos); then a batch of
@@ -19,9 +19,10 @@ import json
 import statistics
 import time
 
-from duplexkv.engine.config import EngineConfig
 import torch
 
+from duplexkv.engine.config import EngineConfig
+from duplexkv.flags import Accumulate
 from duplexkv.engine.grammar import apply_mask, consume
 from duplexkv.engine.llm_engine import LLMEngine
 from duplexkv.wire.sampling import SamplingParams
@@ -67,7 +68,7 @@ def grammar_ms_per_token(engine: LLMEngine, so: StructuredOutput, params: Sampli
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--presets", nargs="+", default=["tiny", "bench"])
+    ap.add_argument("--presets", nargs="+", action=Accumulate, default=["tiny", "bench"])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
