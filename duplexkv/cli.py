@@ -1,24 +1,30 @@
-"""The `duplexkv` command. Each subcommand is one `add_<name>(subparsers)` function in COMMANDS
-that registers its parser and sets `run`; errors print one `duplexkv: error: ...` line, exit 2.
-`duplexkv COMMAND --config FILE.yaml ...` reads the command's flags from a file (config_file.py).
-`demo` and `bench` need the `bench` extra (rich, matplotlib); without it they say so, and the
-other commands (a worker, the router) never import it."""
+"""The `duplexkv` command. Each subcommand is one `add_<name>(subparsers)` function that
+registers its parser and sets `run`: the runtime's in COMMANDS, and those another package
+provides through the `duplexkv.commands` entry points (pyproject.toml: `demo` and `bench`, from
+the benchmark package, which this package never imports). Errors print one `duplexkv: error: ...`
+line, exit 2. `duplexkv COMMAND --config FILE.yaml ...` reads the command's flags from a file
+(config_file.py). `demo` and `bench` need the `bench` extra (rich, matplotlib); without it they
+say so, and the other commands (a worker, the router) never need it."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 from collections.abc import Callable
 from typing import NoReturn
 
 from duplexkv import config_file
-from duplexkv.version import __version__
-from duplexkv.bench.scripts import SCRIPTS as BENCH_SCRIPTS
-from duplexkv.bench.scripts import run_script as run_bench_script
 from duplexkv.model.config import ModelLoadError
 from duplexkv.router.serve import add_router_parser
 from duplexkv.server.serve import add_serve_parser
 from duplexkv.up import add_up
+from duplexkv.version import __version__
+
+ENTRY_POINTS = "duplexkv.commands"
+# the commands the bench extra brings: when they cannot be loaded they say how to install them
+EXTRA_COMMANDS = ("demo", "bench")
+INSTALL_EXTRA = "pip install 'duplexkv[bench]'"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,35 +58,38 @@ def add_make_model(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_make_model)
 
 
-def _needs_bench_extra(name: str, error: ImportError) -> Callable:
+def _needs_bench_extra(name: str, why: str) -> Callable:
     def add(sub: argparse._SubParsersAction) -> None:
-        p = sub.add_parser(name, help="(needs the bench extra: pip install 'duplexkv[bench]')",
-                           add_help=False)
+        p = sub.add_parser(name, help=f"(needs the bench extra: {INSTALL_EXTRA})", add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(run=lambda _: fail(f"`duplexkv {name}` needs the bench extra, which is "
-                                          f"not installed ({error}): pip install "
-                                          "'duplexkv[bench]'"))
+                                          f"not installed ({why}): {INSTALL_EXTRA}"))
     return add
 
 
-def _add_demo(sub: argparse._SubParsersAction) -> None:
-    try:
-        from duplexkv.bench.demo import add_demo
-    except ImportError as e:  # rich is the bench extra's
-        add_demo = _needs_bench_extra("demo", e)
-    add_demo(sub)
-
-
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    try:
-        from duplexkv.bench.multiturn import add_bench
-    except ImportError as e:
-        add_bench = _needs_bench_extra("bench", e)
-    add_bench(sub)
+def entry_point_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
+    """The `add` functions of the `duplexkv.commands` entry points (by name); one that fails to
+    import, or an extra command with no entry point, registers a parser that says what to
+    install."""
+    found = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINTS)}
+    adds = []
+    for name in sorted(set(found) | set(EXTRA_COMMANDS)):
+        if name not in found:
+            adds.append(_needs_bench_extra(name, f"no {ENTRY_POINTS} entry point {name!r}"))
+            continue
+        try:
+            adds.append(found[name].load())
+        except ImportError as e:  # rich or matplotlib: the bench extra's
+            adds.append(_needs_bench_extra(name, str(e)))
+    return adds
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_make_model, add_serve_parser, add_router_parser, add_up, _add_demo, _add_bench]
+    add_make_model, add_serve_parser, add_router_parser, add_up]
+
+
+def takes_config(command: argparse.ArgumentParser) -> bool:
+    return command.add_help and not command.get_default(config_file.NOT_TAKEN)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -88,10 +97,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser = _Parser(prog="duplexkv", description="Prefill/decode disaggregated LLM serving on CPU")
     parser.add_argument("--version", action="version", version=f"duplexkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in COMMANDS:
+    for add in [*COMMANDS, *entry_point_commands()]:
         add(sub)
-    for name, command in sub.choices.items():
-        if command.add_help and name != "bench":  # listed in --help; main() reads the file
+    for command in sub.choices.values():
+        if takes_config(command):  # listed in --help; main() reads the file
             command.add_argument(config_file.FLAG, metavar="FILE.yaml",
                                  help="this command's flags from a YAML file (keys are the flag "
                                       "names); flags given here override it")
@@ -100,13 +109,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCH_SCRIPTS:
-        return run_bench_script(argv[1], argv[2:])  # it parses its own arguments
     parser, commands = build_parser()
     try:
         rest, path = config_file.split_config(argv)
         if path is not None:
-            if not rest or rest[0] not in commands or rest[0] == "bench":
+            if not rest or rest[0] not in commands or not takes_config(commands[rest[0]]):
                 fail(f"{config_file.FLAG} goes after a command (serve, router, up, demo, "
                      "make-model): duplexkv COMMAND --config FILE")
             argv = config_file.expand(rest, commands[rest[0]], path)

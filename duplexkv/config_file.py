@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 FLAG = "--config"
+# a command whose parser has this default set true takes no --config (one whose sub-commands
+# have flags of their own, as `bench`)
+NOT_TAKEN = "takes_no_config_file"
 
 
 class ConfigFileError(ValueError):

@@ -69,10 +69,10 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# 1. vLLM's own venv: the same install as `duplexkv bench vs_vllm --setup` (bench/vllm_venv.py:
-#    the pins, PyTorch's CPU index, and removing the CUDA builds of torchvision & co. that pip
-#    takes from PyPI and that break vLLM's import beside torch +cpu)
-"$DUPLEXKV_PYTHON" -m duplexkv.bench.vllm_venv "$VENV"
+# 1. vLLM's own venv: the same install as `duplexkv bench vs_vllm --setup`
+#    (duplexkv_bench/vllm_venv.py: the pins, PyTorch's CPU index, and removing the CUDA builds of
+#    torchvision & co. that pip takes from PyPI and that break vLLM's import beside torch +cpu)
+"$DUPLEXKV_PYTHON" -m duplexkv_bench.vllm_venv "$VENV"
 
 # 2. the model
 "$DUPLEXKV_PYTHON" -m duplexkv.cli make-model "$WORK/model" --preset "$PRESET" >/dev/null
@@ -139,4 +139,4 @@ S_PID=${PIDS[-1]}
 wait_ready vllm-single "http://127.0.0.1:$S_PORT" "$S_PID"
 "$DUPLEXKV_PYTHON" "$HERE/vllm_interop.py" --single "http://127.0.0.1:$S_PORT" --model "$PRESET" \
   --record "$WORK/turns.json" --max-tokens "${VLLM_INTEROP_MAX_TOKENS:-48}"
-log "passed: preset $PRESET, dtype float32 (vLLM pins: duplexkv/bench/vllm_venv.py)"
+log "passed: preset $PRESET, dtype float32 (vLLM pins: duplexkv_bench/vllm_venv.py)"

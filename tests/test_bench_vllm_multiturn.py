@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from duplexkv.bench import vllm_multiturn as vm
-from duplexkv.bench.vllm_venv import vllm_command
+from duplexkv_bench import vllm_multiturn as vm
+from duplexkv_bench.vllm_venv import vllm_command
 
 
 def test_the_proxy_column_needs_the_sample_proxy_file(tmp_path, capsys):

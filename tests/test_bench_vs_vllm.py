@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from duplexkv.bench import vs_vllm
-from duplexkv.bench.vllm_venv import vllm_command
+from duplexkv_bench import vs_vllm
+from duplexkv_bench.vllm_venv import vllm_command
 
 
 def test_defaults_cover_the_issue_sizes():

@@ -12,7 +12,6 @@ neither the worker nor the router, the CLI's start-up errors, and the membership
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import shutil
 import socket
@@ -41,6 +40,7 @@ from workers import DUPLEXKV, NO_KEYS, TEST_SECRET, skip_or_fail, start_worker, 
 from duplexkv.discovery import record
 from duplexkv.discovery.record import Capacity, Registration, encode
 from duplexkv.discovery.watcher import Snapshot
+from duplexkv.launch import spawn, wait_ready
 from duplexkv.router.backends import BackendPool
 from duplexkv.router.membership import Membership
 from duplexkv.router.metrics import RouterMetrics
@@ -86,16 +86,14 @@ def url_of(port: int) -> str:
 
 
 def start_router(log: Path, *args: str, env: dict | None = None) -> Router:
-    cmd = [DUPLEXKV, "router", "--port", "0", "--health-interval", "0.5",
-           "--discovery-interval", str(POLL), *args]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                env=worker_env({**NO_KEYS, **(env or {})}))
-    m = wait_for(lambda: re.search(r"router listening on (http://[\d.]+:\d+)",
-                                   log.read_text(errors="replace")) or proc.poll() is not None,
-                 30, "the router")
-    assert proc.poll() is None, log.read_text()
-    return Router(m.group(1), proc, log)
+    p = spawn(log.stem, ["router", "--port", "0", "--health-interval", "0.5",
+                         "--discovery-interval", str(POLL), *args], log.parent, env)
+    try:
+        wait_ready([p], timeout_s=30, probe=None)  # its workers join later
+    except BaseException:
+        p.kill()
+        raise
+    return Router(p.url, p.proc, p.log)
 
 
 def discovered(args_role: str, url: str, heartbeat: float = HEARTBEAT) -> dict:

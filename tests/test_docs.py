@@ -1,8 +1,9 @@
 """The documentation holds together: the README is a front door (the two set-up commands, the
 architecture and the reuse parameters on its first screen, at most 300 lines), every relative link
 in README.md, docs/**/*.md and tests/README.md reaches an existing file (and heading), every test
-that tests/README.md names as the proof of a claim exists, and the sources point at doc pages that
-exist. Pure file reading: no process, no model."""
+that tests/README.md names as the proof of a claim exists, the sources point at doc pages that
+exist, and every source path or module the docs and sources name exists. Pure file reading: no
+process, no model."""
 
 import ast
 import fnmatch
@@ -126,7 +127,8 @@ def test_sources_point_at_pages_that_exist():
     """Docstrings and comments name doc pages by path (docs/x.md, tests/README.md), never 'the
     README' for a detail that now lives in docs/."""
     sources = [*(ROOT / "duplexkv").rglob("*.py"), *(ROOT / "duplexkv").rglob("*.[ch]"),
-               *TESTS.glob("*.py"), *(ROOT / "scripts").glob("*")]
+               *(ROOT / "duplexkv_bench").rglob("*.py"), *TESTS.glob("*.py"),
+               *(ROOT / "scripts").glob("*")]
     bad = []
     for path in sources:
         if path == Path(__file__).resolve():
@@ -137,4 +139,38 @@ def test_sources_point_at_pages_that_exist():
                 bad.append(f"{path.relative_to(ROOT)}: {ref}")
         if re.search(r"\bREADME\b(?!\.md)", text):
             bad.append(f"{path.relative_to(ROOT)}: says 'README' instead of naming the docs page")
+    assert not bad, "\n".join(bad)
+
+
+SOURCE_PATH = re.compile(r"(?<![\w./~-])(duplexkv(?:_bench)?(?:/[\w.-]+)+)")
+MODULE = re.compile(r"(?<![\w./~-])(duplexkv(?:_bench)?(?:\.[a-z_]\w*)+)")
+
+
+def names_a_module(dotted: str) -> bool:
+    """`a.b.c` is a module or package of ours, or one's attribute (`duplexkv.cli:main`'s left
+    side, `duplexkv.launch.spawn`)."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:n])
+        if base.with_suffix(".py").exists() or (base / "__init__.py").exists():
+            return n >= len(parts) - 1
+    return False
+
+
+def test_source_paths_and_modules_named_exist():
+    """A path like duplexkv/launch/process.py or a module like duplexkv_bench.vllm_venv named in
+    the docs, the sources, the scripts, the Makefile or pyproject.toml exists: code that moves
+    takes its mentions along."""
+    texts = [*PAGES, *(ROOT / "duplexkv").rglob("*.py"), *(ROOT / "duplexkv_bench").rglob("*.py"),
+             *TESTS.glob("*.py"), *(ROOT / "scripts").glob("*"), ROOT / "Makefile",
+             ROOT / "pyproject.toml"]
+    bad = []
+    for path in texts:
+        text = path.read_text(errors="replace")
+        for ref in SOURCE_PATH.findall(text):
+            if not (ROOT / ref.rstrip(".")).exists():
+                bad.append(f"{path.relative_to(ROOT)}: {ref}")
+        for ref in MODULE.findall(text):
+            if not names_a_module(ref.rstrip(".")):
+                bad.append(f"{path.relative_to(ROOT)}: {ref}")
     assert not bad, "\n".join(bad)

@@ -12,7 +12,8 @@ import pytest
 from duplexkv.cli import build_parser
 from duplexkv.flags import Accumulate
 
-ROOT = Path(__file__).resolve().parent.parent / "duplexkv"
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = (REPO / "duplexkv", REPO / "duplexkv_bench")  # the runtime and the benchmarks
 
 
 def test_router_keeps_every_repeated_worker_flag():
@@ -54,7 +55,7 @@ def test_set_defaults_from_a_config_file_is_a_default_too():
 
 def _list_flags_without_accumulate() -> list[str]:
     bad = []
-    for path in ROOT.rglob("*.py"):
+    for path in (p for package in PACKAGES for p in package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"):
                 continue
@@ -63,7 +64,7 @@ def _list_flags_without_accumulate() -> list[str]:
             if isinstance(nargs, ast.Constant) and nargs.value in ("+", "*"):
                 action = kw.get("action")
                 if not (isinstance(action, ast.Name) and action.id == "Accumulate"):
-                    bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+                    bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
     return bad
 
 

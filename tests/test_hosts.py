@@ -1,4 +1,4 @@
-"""The multi-host harness (duplexkv/hosts/netns.py): hosts reach each other, partitions and
+"""The multi-host harness (duplexkv_bench/hosts/netns.py): hosts reach each other, partitions and
 links cut what they should and nothing else, shaping limits the rate, and nothing outlives the
 process that built it (SIGTERM cleans up; what a SIGKILL left is removed by the next run)."""
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from duplexkv.hosts.netns import Network, can_build, sh
+from duplexkv_bench.hosts.netns import Network, can_build, sh
 
 ok, why = can_build()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
@@ -77,7 +77,7 @@ def test_partition_link_and_shape():
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
 def test_nothing_outlives_the_builder(how):
     child = subprocess.Popen([sys.executable, "-c",
-                              "from duplexkv.hosts.netns import Network\n"
+                              "from duplexkv_bench.hosts.netns import Network\n"
                               "import time, sys\n"
                               "net = Network(['a', 'b']).start()\n"
                               "net.popen('a', ['sleep', '600'])\n"

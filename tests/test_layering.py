@@ -1,11 +1,13 @@
-"""The package's layers only point down (docs/architecture.md), parsed from the source with `ast`:
+"""The packages' layers only point down (docs/architecture.md), parsed from the source with `ast`:
 
-    paths, flags, vllm_plugin, version, wire < layers, http, discovery < model < engine < kv < server < router, launch < up, hosts
-    < bench, config_file < cli
+    paths, flags, vllm_plugin, version, wire < layers, http, discovery < model < engine < kv < server < router, launch < up
+    < config_file < cli  (the runtime package, duplexkv)
+    < duplexkv_bench.hosts < duplexkv_bench  (the benchmarks, the demo, the multi-host harness)
 
-No import circles between modules, the router never reaches torch or the engine (not even
-through what it imports), no module grows past ~300 lines without saying why at its top, and
-no class past 200 lines.
+The runtime never imports the benchmark package, not even lazily (the CLI finds `demo` and
+`bench` through entry points). No import circles between modules, lazy (function-level) imports
+included; the router never reaches torch or the engine (not even through what it imports), no
+module grows past ~300 lines without saying why at its top, and no class past 200 lines.
 """
 
 from __future__ import annotations
@@ -15,41 +17,51 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent / "duplexkv"
+REPO = Path(__file__).resolve().parent.parent
+RUNTIME, BENCH = "duplexkv", "duplexkv_bench"
+ROOT = REPO / RUNTIME
 RANK = {"paths": -1, "flags": -1, "vllm_plugin": -1, "version": -1, "wire": -1, "layers": 0, "http": 0, "discovery": 0, "model": 1, "engine": 2, "kv": 3,
-        "server": 4, "router": 5, "launch": 5, "up": 6, "hosts": 6, "bench": 7, "config_file": 7,
-        "cli": 8}
+        "server": 4, "router": 5, "launch": 5, "up": 6, "config_file": 7, "cli": 8,
+        "bench.hosts": 9, "bench": 10}
 MAX_LINES = 300
 WHY_LONG = "Longer than 300 lines:"
 MAX_CLASS_LINES = 200
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+MODULES = {module_name(p): p for package in (RUNTIME, BENCH)
+           for p in sorted((REPO / package).rglob("*.py"))}
 
 
 def group(mod: str) -> str | None:
-    """The layer a module belongs to (None: the package root's __init__)."""
+    """The layer a module belongs to (None: the runtime package's own __init__). The benchmark
+    package is two layers above the whole runtime: its multi-host harness, then the rest."""
     parts = mod.split(".")
+    if parts[0] == BENCH:
+        return "bench.hosts" if parts[1:2] == ["hosts"] else "bench"
     return parts[1] if len(parts) > 1 else None
 
 
-def imports(mod: str, top_level_only: bool = False) -> set[str]:
-    """duplexkv modules (and 'torch') that `mod` imports, resolved to existing modules."""
+def imports(mod: str, top_level_only: bool = False, type_checking: bool = True) -> set[str]:
+    """Our modules (and 'torch') that `mod` imports, resolved to existing modules: at its top
+    level only, or anywhere (function-level imports too); `if TYPE_CHECKING:` blocks count
+    unless `type_checking` is False (they are not imports at run time) or top-level only."""
     tree = ast.parse(MODULES[mod].read_text())
     nodes = tree.body if top_level_only else list(ast.walk(tree))
-    if top_level_only:  # `if TYPE_CHECKING:` blocks are not imports at run time
-        nodes = [n for n in nodes if not (isinstance(n, ast.If)
-                                          and "TYPE_CHECKING" in ast.unparse(n.test))]
+    skip: set[int] = set()
+    if top_level_only or not type_checking:
+        for n in ast.walk(tree):
+            if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+                skip.update(id(sub) for sub in ast.walk(n))
     out: set[str] = set()
     for node in nodes:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if id(node) in skip:
             continue
         names: list[str] = []
         if isinstance(node, ast.Import):
@@ -94,8 +106,29 @@ def test_layers_only_point_down():
     assert not bad, "imports that do not point down:\n" + "\n".join(bad)
 
 
+def test_the_runtime_never_imports_the_benchmarks():
+    """Not at the top, not in a function, not under TYPE_CHECKING, not by name through
+    importlib: the runtime package runs without duplexkv_bench (a string naming it outside a
+    docstring counts)."""
+    bad = []
+    for mod, path in MODULES.items():
+        if mod.split(".")[0] != RUNTIME:
+            continue
+        bad += [f"{mod} -> {dep}" for dep in sorted(imports(mod)) if dep.split(".")[0] == BENCH]
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                        ast.AsyncFunctionDef)) and ast.get_docstring(n)}
+        bad += [f"{mod}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
+                if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                and BENCH in n.value and id(n) not in docstrings]
+    assert not bad, "the runtime reaches the benchmark package:\n" + "\n".join(bad)
+
+
 def test_no_import_circles():
-    graph = {m: imports(m, top_level_only=True) - {"torch"} for m in MODULES}
+    """Lazy imports count: a function-level import that closes a circle is a circle (only
+    `if TYPE_CHECKING:` blocks, never run, are left out)."""
+    graph = {m: imports(m, type_checking=False) - {"torch"} for m in MODULES}
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 

@@ -1,6 +1,6 @@
-"""P/D across hosts: every process in a network namespace of its own on a bridge (duplexkv/hosts),
-started as a vLLM user starts it on its own machine (`--host <its address>`,
-`VLLM_NIXL_SIDE_CHANNEL_HOST=<its address>`, the cluster secret). Five hosts:
+"""P/D across hosts: every process in a network namespace of its own on a bridge
+(duplexkv_bench/hosts), started as a vLLM user starts it on its own machine (`--host <its
+address>`, `VLLM_NIXL_SIDE_CHANNEL_HOST=<its address>`, the cluster secret). Five hosts:
 
     r0   router-0 and Redis          p0   P0            d0   D0
     p1   P1 and router-1 (Redis shared by both routers)  d1   D1
@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from duplexkv import LLM, SamplingParams
-from duplexkv.hosts.netns import Network, can_build
+from duplexkv_bench.hosts.netns import Network, can_build
 
 ok, why = can_build()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
@@ -52,7 +52,7 @@ def oracle(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def hosts(tiny_model_dir, tmp_path_factory):
-    from duplexkv.hosts.cluster import HostCluster
+    from duplexkv_bench.hosts.cluster import HostCluster
 
     log_dir = tmp_path_factory.mktemp("multihost")
     with Network(["r0", "p0", "p1", "d0", "d1"]) as net:
@@ -118,7 +118,7 @@ def test_cross_host_turns_move_kv_both_ways(hosts, oracle):
 @pytest.fixture(scope="module")
 def nixl_hosts(tiny_model_dir, tmp_path_factory):
     pytest.importorskip("nixl")
-    from duplexkv.hosts.cluster import HostCluster
+    from duplexkv_bench.hosts.cluster import HostCluster
 
     log_dir = tmp_path_factory.mktemp("multihost-nixl")
     with Network(["rn", "pn", "dn"]) as net:

@@ -1,4 +1,4 @@
-"""The pull cost model on a really shaped link (duplexkv/hosts: D and two Ps on hosts of their
+"""The pull cost model on a really shaped link (duplexkv_bench/hosts: D and two Ps on hosts of their
 own, every link limited by tc tbf), not the stand-in bandwidth of tests/test_cost_model.py: P's
 link model measures the slow link from its own first READ and then declines the pull that the
 fixed 64-token rule takes, whose real READ then costs more than the recompute it avoided. When
@@ -13,7 +13,7 @@ import pytest
 from workers import wait_for
 
 from duplexkv.engine.cost_model import Coefficients
-from duplexkv.hosts.netns import Network, can_build
+from duplexkv_bench.hosts.netns import Network, can_build
 from duplexkv.kv.link_model import LinkEstimate
 from duplexkv.wire.kv_params import miss_params, replay_params
 
@@ -29,7 +29,7 @@ MAX_AGE_S = 6.0  # P model's kv_link_sample_max_age_s: long enough for the slow-
 
 @pytest.fixture(scope="module")
 def slow_link(tiny_model_dir, tmp_path_factory):
-    from duplexkv.hosts.cluster import HostCluster
+    from duplexkv_bench.hosts.cluster import HostCluster
 
     with Network(["d", "pm", "pf"]) as net:
         for h in net.names:

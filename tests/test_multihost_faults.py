@@ -1,5 +1,5 @@
 """Faults across hosts at the router's and workers' default settings (issue 30): every process in
-a network namespace of its own (duplexkv/hosts), started without any timeout or health-check
+a network namespace of its own (duplexkv_bench/hosts), started without any timeout or health-check
 override. Each fault turn must be answered, equal to an undisturbed greedy float32 run, and at
 most ~2 s slower than a healthy turn. Needs root (CI runs as root)."""
 
@@ -11,7 +11,7 @@ import uuid
 import httpx
 import pytest
 
-from duplexkv.hosts.netns import Network, can_build
+from duplexkv_bench.hosts.netns import Network, can_build
 
 ok, why = can_build()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
@@ -24,7 +24,7 @@ EXTRA_S = 2.5  # the issue's bound: ~2 s beyond a healthy turn
 
 @pytest.fixture(scope="module")
 def hosts(tiny_model_dir, tmp_path_factory):
-    from duplexkv.hosts.cluster import HostCluster
+    from duplexkv_bench.hosts.cluster import HostCluster
 
     with Network(["r", "s", "p0", "p1", "d0", "d1"]) as net:
         hc = HostCluster(net, str(tiny_model_dir), tmp_path_factory.mktemp("faults"))

@@ -9,14 +9,13 @@ import importlib.metadata
 import re
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
 import httpx
 
 import duplexkv
-from duplexkv.launch import worker_env
+from duplexkv.launch import start, wait_ready, worker_env
 from workers import DUPLEXKV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +42,22 @@ def test_core_dependencies_are_a_workers_and_extras_hold_the_rest():
     assert "END OF TERMS AND CONDITIONS" in text and project["license"] == "Apache-2.0"
 
 
+def test_demo_and_bench_come_from_the_benchmark_package_by_entry_points():
+    """The runtime's CLI lists `demo` and `bench` because pyproject.toml's `duplexkv.commands`
+    entry points name their parsers in duplexkv_bench, shipped in the same distribution (the
+    runtime never imports it: test_layering.py)."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    declared = pyproject["project"]["entry-points"]["duplexkv.commands"]
+    assert sorted(declared) == ["bench", "demo"]
+    assert all(v.startswith("duplexkv_bench.") for v in declared.values()), declared
+    assert "duplexkv_bench" in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    installed = {ep.name: ep for ep in importlib.metadata.entry_points(group="duplexkv.commands")}
+    assert {n: ep.value for n, ep in installed.items()} == declared  # the install is current
+    assert all(callable(ep.load()) for ep in installed.values())
+    r = subprocess.run([DUPLEXKV, "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and " demo " in r.stdout and " bench " in r.stdout, r.stdout
+
+
 def test_version():
     r = subprocess.run([DUPLEXKV, "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0
@@ -51,22 +66,15 @@ def test_version():
 
 
 def test_a_worker_runs_without_the_extras(tiny_model_dir, tmp_path):
-    log = tmp_path / "w.log"
-    cmd = [sys.executable, "-c", WITHOUT_EXTRAS, "serve", str(tiny_model_dir), "--port", "0",
-           "--dtype", "float32", "--num-kv-blocks", "32"]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=worker_env({}))
+    w = start("w", [sys.executable, "-c", WITHOUT_EXTRAS, "serve", str(tiny_model_dir), "--port",
+                    "0", "--dtype", "float32", "--num-kv-blocks", "32"], tmp_path, worker_env({}))
     try:
-        deadline = time.monotonic() + 120
-        while not (m := re.search(r"serving .* on (http://[\d.]+:\d+)", log.read_text())):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        r = httpx.post(m.group(1) + "/v1/completions", timeout=60,
+        wait_ready([w], timeout_s=120)
+        r = httpx.post(w.url + "/v1/completions", timeout=60,
                        json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200, r.text
     finally:
-        proc.terminate()
-        proc.wait(30)
+        w.stop(30)
 
 
 def test_commands_that_need_an_extra_say_which(tmp_path):

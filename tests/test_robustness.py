@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 import threading
 import time
@@ -22,7 +21,7 @@ import pytest
 from fake_peer import FakePeer, real_meta
 from workers import kv_config, prefill_leg, start_worker
 
-from duplexkv.launch import worker_env
+from duplexkv.launch import start, wait_ready, worker_args, worker_env
 
 ARGS = ("--num-kv-blocks", "128", "--max-model-len", "1024")
 PROMPT = list(range(300, 380))
@@ -311,21 +310,13 @@ def test_failed_steps_fail_their_requests_then_exit_when_unrecoverable(tiny_mode
     """A step that raises ends its requests with an error and the engine goes on; when steps
     keep failing the worker answers its clients and exits non-zero (a supervisor restarts it)
     instead of living on as a 503 machine."""
-    log = tmp / "inject.log"
-    cmd = [sys.executable, "-c", INJECT, "serve", str(tiny_model_dir), "--host", "127.0.0.1",
-           "--port", "0", "--dtype", "float32", *ARGS]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=worker_env({}))
+    # the worker's command with a fault injected before it starts
+    p = start("inject", [sys.executable, "-c", INJECT, *worker_args(
+        str(tiny_model_dir), None, "--dtype", "float32", *ARGS)], tmp, worker_env({}))
+    proc, log = p.proc, p.log
     try:
-        deadline = time.monotonic() + 120
-        url = None
-        while url is None:
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
-            for line in log.read_text(errors="replace").splitlines():
-                if "serving" in line and " on http://" in line:
-                    url = line.rsplit(" on ", 1)[1].strip()
-            time.sleep(0.1)
-        c = httpx.Client(base_url=url, timeout=60)
+        wait_ready([p], timeout_s=120)
+        c = httpx.Client(base_url=p.url, timeout=60)
         poison = body(prompt=PROMPT[:20] + [POISON])
         r = c.post("/v1/completions", json=poison)
         assert r.status_code == 500 and "injected forward-pass fault" in r.text, r.text
@@ -357,17 +348,17 @@ def test_one_requests_sampling_failure_spares_its_batch(tiny_model_dir, monkeypa
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     prompts = [list(range(10, 30)), list(range(40, 70)), list(range(80, 95))]
     alone = [llm.generate([p], sp)[0].token_ids for p in prompts]
-    real = llm_engine.sample_row
+    real = llm_engine.sample_token
 
-    def faulty(row, p, gen):
+    def faulty(*args):
         if faulty.calls == 4:  # second decode step, middle request
             faulty.calls += 1
             raise RuntimeError("boom")
         faulty.calls += 1
-        return real(row, p, gen)
+        return real(*args)
 
     faulty.calls = 0
-    monkeypatch.setattr(llm_engine, "sample_row", faulty)
+    monkeypatch.setattr(llm_engine, "sample_token", faulty)
     eng = llm.engine
     rids = [eng.add_request(p, sp).request_id for p in prompts]
     done = {}

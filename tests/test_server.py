@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from duplexkv import LLM, SamplingParams
+from duplexkv.launch import spawn, wait_ready, worker_args
 
 MAX_MODEL_LEN = 512
 NUM_KV_BLOCKS = 64
@@ -42,31 +42,17 @@ class Server:
         return httpx.get(self.url + path, timeout=30)
 
 
-def _wait_ready(proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        m = re.search(r"serving .* on (http://[\d.]+:\d+)", log.read_text(errors="replace"))
-        if m:
-            url = m.group(1)
-            if httpx.get(url + "/health", timeout=10).status_code == 200:
-                return url
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()}")
-        time.sleep(0.1)
-    raise TimeoutError(f"server not ready after {timeout_s}s:\n{log.read_text()}")
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [DUPLEXKV, "serve", str(tiny_model_dir), "--host", "127.0.0.1", "--port", "0",
-           "--dtype", "float32", "--num-kv-blocks", str(NUM_KV_BLOCKS),
-           "--max-model-len", str(MAX_MODEL_LEN)]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    p = spawn("serve", worker_args(str(tiny_model_dir), None, "--dtype", "float32",
+                                   "--num-kv-blocks", str(NUM_KV_BLOCKS),
+                                   "--max-model-len", str(MAX_MODEL_LEN)),
+              tmp_path_factory.mktemp("serve"))
+    proc, log = p.proc, p.log
     try:
+        wait_ready([p], timeout_s=90)
         # no --served-model-name: the name is the model argument as given (vLLM's default)
-        yield Server(_wait_ready(proc, log), str(tiny_model_dir), proc, log)
+        yield Server(p.url, str(tiny_model_dir), proc, log)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from duplexkv.bench.client import Result
-from duplexkv.bench.report import bucket_of, summarize
+from duplexkv_bench.client import Result
+from duplexkv_bench.report import bucket_of, summarize
 from duplexkv.cli import main
 from duplexkv.launch import Cluster, ClusterSpec, LaunchError
 
@@ -251,7 +251,7 @@ def test_buckets_and_speedup() -> None:
 
 
 def test_workloads(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from duplexkv.bench.workload import DEFAULT_SIZES, load_file, plan
+    from duplexkv_bench.workload import DEFAULT_SIZES, load_file, plan
     from duplexkv.model.tokenizer import Tokenizer
 
     convs = plan("agentic", DEFAULT_SIZES["agentic"], 3, 16384, seed=0)

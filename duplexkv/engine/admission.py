@@ -6,6 +6,7 @@ engine these checks as its public `tokenize` and `check_request`."""
 from __future__ import annotations
 
 from duplexkv.engine.block_manager import BlockManager
+from duplexkv.engine.grammar import GrammarError, Grammars
 from duplexkv.model.config import ModelConfig
 from duplexkv.model.segment_cache import TooManyTokens
 from duplexkv.model.tokenizer import Tokenizer
@@ -76,6 +77,7 @@ class Admission:
     """The engine's admission checks (a mixin of LLMEngine, over these of its attributes)."""
 
     tokenizer: Tokenizer
+    grammars: Grammars
     model_config: ModelConfig
     bm: BlockManager
     max_model_len: int
@@ -93,3 +95,8 @@ class Admission:
                                 self.model_config.vocab_size,
                                 self.bm.blocks_needed(num_prompt_tokens + params.max_tokens),
                                 self.bm.num_blocks)
+        if params.structured is not None:
+            try:
+                self.grammars.check(params.structured)
+            except GrammarError as e:
+                raise RequestRejected(str(e), params.structured.source) from None

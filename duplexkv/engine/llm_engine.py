@@ -19,12 +19,13 @@ from duplexkv.engine.admission import Admission, Prompt, RequestRejected
 from duplexkv.engine.builder import build
 from duplexkv.engine.calibration import Calibration
 from duplexkv.engine.config import EngineConfig
+from duplexkv.engine.grammar import Grammars
 from duplexkv.engine.host import HostOps
 from duplexkv.engine.kv_transfer import KVConnectorBase
 from duplexkv.engine.output_processor import OutputProcessor, ReqState, RequestOutput
 from duplexkv.engine.parallel import Choices, choice_params
 from duplexkv.engine.remote_kv import KVEvents, RemoteKV
-from duplexkv.engine.sampler import process_row, sample_row
+from duplexkv.engine.sampler import sample_token
 from duplexkv.engine.scheduler import ScheduledSeq, Scheduler
 from duplexkv.engine.sequence import Sequence
 from duplexkv.engine.state import EngineViews
@@ -55,7 +56,8 @@ class LLMEngine(Admission, KVEvents, EngineViews, HostOps):
                                    self.config.max_num_seqs)
         self.requests: dict[str, ReqState] = {}  # by sequence (choice) id
         self.choices = Choices(self.config.block_size)
-        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.grammars)
         self.remote = RemoteKV(self.scheduler)
         self.costs = Calibration()  # calibrate() once loaded; every lone prefill after
         self._next_id = 0
@@ -182,10 +184,10 @@ class LLMEngine(Admission, KVEvents, EngineViews, HostOps):
             if st is None:  # a sibling choice's failure ended this request meanwhile
                 continue
             try:
-                row = logits[i]
-                process_row(row, st.seq.params, self.banned_tokens(st.seq),
-                            st.seq.prompt_token_ids, st.seq.output_token_ids)
-                tok = sample_row(row, st.seq.params, st.generator)
+                seq = st.seq
+                tok = sample_token(logits[i], seq.params, self.banned_tokens(seq),
+                                   seq.prompt_token_ids, seq.output_token_ids, st.generator,
+                                   st.matcher)
             except Exception as e:
                 outputs.append(self._fail(st, f"sampling failed: {e}"))
                 continue

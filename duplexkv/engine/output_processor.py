@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from duplexkv.engine.grammar import Grammars, consume
 from duplexkv.engine.sampler import make_generator
 from duplexkv.engine.sequence import KVStats, Sequence
 from duplexkv.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -40,6 +42,7 @@ class ReqState:
     seq: Sequence
     detok: IncrementalDetokenizer
     generator: torch.Generator | None
+    matcher: Any = None  # the grammar's llguidance.LLMatcher, with a structured output
     emitted_chars: int = 0  # text already returned as new_text
     text: str = ""
     sent_tokens: int = 0
@@ -52,11 +55,14 @@ class Stop:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
-        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, grammars: Grammars) -> None:
+        self.tokenizer, self.max_model_len, self.grammars = tokenizer, max_model_len, grammars
 
     def new_state(self, seq: Sequence) -> ReqState:
-        return ReqState(seq, IncrementalDetokenizer(self.tokenizer), make_generator(seq.params))
+        """GrammarError when the request's structured output does not compile."""
+        so = seq.params.structured
+        return ReqState(seq, IncrementalDetokenizer(self.tokenizer), make_generator(seq.params),
+                        None if so is None else self.grammars.matcher(so))
 
     def banned_tokens(self, seq: Sequence) -> list[int]:
         """Tokens the sampler may not pick next: stop and eos tokens before min_tokens."""
@@ -71,8 +77,12 @@ class OutputProcessor:
         seq, p = st.seq, st.seq.params
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
+        if st.matcher is not None:  # before the token counts: a rejected one is never output
+            consume(st.matcher, tok)
         seq.output_token_ids.append(tok)
         st.text += st.detok.push([tok])
+        if st.matcher is not None and st.matcher.is_stopped():  # complete: nothing may follow
+            return Stop("stop")
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
                 return Stop("stop")

@@ -1,5 +1,5 @@
-"""Token sampling: logits processing (bans, logit_bias, penalties), greedy, temperature, min-p,
-top-k, top-p, per-request seeded generators.
+"""Token sampling: logits processing (bans, logit_bias, penalties), a grammar's mask, greedy,
+temperature, min-p, top-k, top-p, per-request seeded generators.
 
 Each row is processed and sampled on its own, so one request's failure (reported as the
 exception in its slot) never touches the others in the batch.
@@ -7,8 +7,11 @@ exception in its slot) never touches the others in the batch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from duplexkv.engine.grammar import constrain
 from duplexkv.wire.sampling import SamplingParams
 
 
@@ -40,6 +43,21 @@ def process_row(row: torch.Tensor, p: SamplingParams, banned: list[int],
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     if banned:
         row[banned] = float("-inf")
+
+
+def sample_token(row: torch.Tensor, p: SamplingParams, banned: list[int], prompt_ids: list[int],
+                 output_ids: list[int], generator: torch.Generator | None,
+                 matcher: Any = None) -> int:
+    """Process and sample one row of logits; with a grammar's `matcher`, under its mask
+    (engine/grammar.py `constrain`)."""
+    def process(r: torch.Tensor) -> None:
+        process_row(r, p, banned, prompt_ids, output_ids)
+
+    if matcher is None:
+        process(row)
+    else:
+        constrain(row, matcher, process)
+    return sample_row(row, p, generator)
 
 
 @torch.inference_mode()

@@ -10,6 +10,7 @@ from duplexkv.engine.block_manager import BlockCounts, BlockManager
 from duplexkv.engine.calibration import Calibration
 from duplexkv.engine.config import EngineConfig
 from duplexkv.engine.cost_model import PrefillCostModel
+from duplexkv.engine.grammar import Grammars
 from duplexkv.engine.kv_transfer import KVConnectorBase
 from duplexkv.engine.model_runner import ModelRunner
 from duplexkv.engine.remote_kv import RemoteKV
@@ -65,6 +66,7 @@ class EngineViews:
     scheduler: Scheduler
     runner: ModelRunner
     tokenizer: Tokenizer
+    grammars: Grammars
     requests: dict
     remote: RemoteKV
     costs: Calibration
@@ -105,7 +107,8 @@ class EngineViews:
                 "prefix_cache.hashes": len(self.bm.hash_to_block),
                 "segments.entries": seg.entries, "segments.chars": seg.chars,
                 "mirrors": len(mirrors.mirrors),
-                "mirrors.mb": round(mirrors.used_bytes / (1 << 20), 1)}
+                "mirrors.mb": round(mirrors.used_bytes / (1 << 20), 1),
+                "grammars.compiled": self.grammars.num_compiled}
 
     def debug_state(self) -> dict:
         """/debug/engine: the snapshot, the pool's invariants checked now, dtype, evictions."""

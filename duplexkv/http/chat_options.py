@@ -8,10 +8,11 @@ accepted:
 - `tool_choice` "none" (or absent without tools): the tools are rendered into the prompt and the
   model's text comes back as it is, as vLLM does with "none".
 - "auto" (also the default when tools are given, as in vLLM) needs the model's tool calls parsed out
-  of its text (vLLM's `--enable-auto-tool-choice --tool-call-parser`), and "required" or a named
-  function need guided decoding; we do neither, so each is a 400 naming `tool_choice` (vLLM without
-  those flags refuses "auto" the same way) rather than an answer whose tool calls are left in
-  `content`.
+  of its text: a worker started with `--enable-auto-tool-choice --tool-call-parser` does it
+  (server/tool_parser.py); without those flags (and on the router) it is a 400 naming
+  `tool_choice`, as in vLLM, rather than an answer whose tool calls are left in `content`.
+- "required" or a named function force a call by guided decoding (`Features.structured`: the
+  workers; http/tool_schema.py makes the grammar).
 - `chat_template_kwargs` may not set what the server passes itself (`messages`, `tools`,
   `add_generation_prompt`, ...) nor `chat_template` (a template from the request is refused, as
   vLLM does without `--trust-request-chat-template`).
@@ -20,9 +21,10 @@ accepted:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from duplexkv.http.errors import bad_request
+from duplexkv.http.features import NONE, Features
 
 RESERVED_TEMPLATE_KWARGS = frozenset(("messages", "tools", "documents", "add_generation_prompt",
                                       "continue_final_message", "chat_template", "tokenize"))
@@ -30,10 +32,18 @@ MAX_TEMPLATE_KWARG_CHARS = 64
 
 
 @dataclass(frozen=True, slots=True)
+class ToolChoice:
+    mode: Literal["none", "auto", "required", "named"] = "none"
+    name: str | None = None  # named: the function
+
+
+@dataclass(frozen=True, slots=True)
 class ChatOptions:
     tools: list[dict] | None = None
     documents: list[dict] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True
 
     def render_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `Tokenizer.apply_chat_template` (besides messages and
@@ -41,13 +51,17 @@ class ChatOptions:
         return {**self.template_kwargs, "tools": self.tools, "documents": self.documents}
 
 
-def parse_chat_options(body: dict, generate: bool = True) -> ChatOptions:
+def parse_chat_options(body: dict, generate: bool = True,
+                       features: Features = NONE) -> ChatOptions:
     """`generate=False` for /tokenize, which renders the prompt only (no `tool_choice`)."""
     tools = _tools(body.get("tools"))
-    if generate:
-        _tool_choice(body.get("tool_choice"), tools)
+    choice = _tool_choice(body.get("tool_choice"), tools, features) if generate else ToolChoice()
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request("`parallel_tool_calls` must be a boolean", "parallel_tool_calls")
     return ChatOptions(tools, _documents(body.get("documents")),
-                       _template_kwargs(body.get("chat_template_kwargs")))
+                       _template_kwargs(body.get("chat_template_kwargs")), choice,
+                       parallel is not False)
 
 
 def _tools(v: Any) -> list[dict] | None:
@@ -76,36 +90,43 @@ def _tools(v: Any) -> list[dict] | None:
     return v or None
 
 
-def _tool_choice(v: Any, tools: list[dict] | None) -> None:
+def _tool_choice(v: Any, tools: list[dict] | None, features: Features) -> ToolChoice:
     if v is None:
-        choice = "auto" if tools else "none"  # vLLM's default
+        choice = ToolChoice("auto" if tools else "none")  # vLLM's default
     elif isinstance(v, str):
         if v not in ("none", "auto", "required"):
             raise bad_request(f"`tool_choice` must be \"none\", \"auto\", \"required\" or a "
                               f"named function, got {v!r:.40}", "tool_choice")
-        choice = v
+        choice = ToolChoice(v)  # type: ignore[arg-type]
     elif isinstance(v, dict) and v.get("type") == "function":
-        choice = "named"
+        fn = v.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            raise bad_request("`tool_choice.function.name` must be a non-empty string",
+                              "tool_choice")
+        choice = ToolChoice("named", name)
     else:
         raise bad_request("`tool_choice` must be \"none\", \"auto\", \"required\" or "
                           "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
-    if choice == "none":
-        return
+    if choice.mode == "none":
+        return choice
     if not tools:
         raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
-    if choice == "auto":
+    if choice.mode == "auto" and not features.auto_tools:
         raise bad_request(
-            "`tool_choice` \"auto\" (the default when `tools` are given) is not supported by "
-            "this server: it does not parse tool calls out of the model's text (vLLM's "
-            "--enable-auto-tool-choice --tool-call-parser). Send `tool_choice: \"none\"` to have "
-            "the tools rendered into the prompt and the model's text returned as it is.",
-            "tool_choice")
-    what = '"required"' if choice == "required" else "naming a function"
-    raise bad_request(
-        f"`tool_choice` {what} is not "
-        "supported by this server: forcing a tool call needs guided decoding, which it does not "
-        "do. Send `tool_choice: \"none\"` to have the tools rendered into the prompt.",
-        "tool_choice")
+            "`tool_choice` \"auto\" (the default when `tools` are given) needs the server "
+            "started with --enable-auto-tool-choice --tool-call-parser NAME (as vLLM). Send "
+            "`tool_choice: \"none\"` to have the tools rendered into the prompt and the model's "
+            "text returned as it is.", "tool_choice")
+    if choice.mode in ("required", "named") and not features.structured:
+        raise bad_request(
+            f"`tool_choice` {choice.mode!r} is not supported by this server: forcing a tool "
+            "call needs guided decoding. Send `tool_choice: \"none\"` to have the tools "
+            "rendered into the prompt.", "tool_choice")
+    if choice.mode == "named" and choice.name not in {t["function"]["name"] for t in tools}:
+        raise bad_request(f"`tool_choice` names the function {choice.name!r:.80}, which is not "
+                          "in `tools`", "tool_choice")
+    return choice
 
 
 def _documents(v: Any) -> list[dict] | None:
@@ -133,4 +154,4 @@ def _template_kwargs(v: Any) -> dict[str, Any]:
     return dict(v)
 
 
-__all__ = ["ChatOptions", "parse_chat_options"]
+__all__ = ["ChatOptions", "ToolChoice", "parse_chat_options"]

@@ -1,7 +1,8 @@
 """OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) -> a typed `GenerateRequest`.
 
 Validation is ours, not pydantic's, so every mistake becomes a 400 that names the field. A feature
-we cannot honour (`response_format`, guided decoding, ...) is a 400 naming it; unknown fields are
+we cannot honour is a 400 naming it (`response_format` and `structured_outputs` only where the
+caller's `Features` honour them: the workers); unknown fields are
 logged once per name and ignored, as vLLM does (`request_fields`). A chat's `tools`,
 `chat_template_kwargs` and `documents` go to the chat template (`chat_options`). The worker and the
 router both validate with this module; the worker then turns the request into the engine's
@@ -17,8 +18,12 @@ from typing import Any, Literal
 
 from duplexkv.http.chat_options import ChatOptions, parse_chat_options
 from duplexkv.http.errors import bad_request
+from duplexkv.http.features import NONE, Features
 from duplexkv.http.request_fields import reject_unsupported, unknown_fields
+from duplexkv.http.structured import parse_structured
+from duplexkv.http.tool_schema import forced_tool_output
 from duplexkv.wire.sampling import MAX_N, SamplingParams
+from duplexkv.wire.structured import StructuredOutput
 
 Kind = Literal["completion", "chat"]
 ROLES = ("system", "user", "assistant", "tool", "developer")  # developer is sent as system
@@ -41,10 +46,13 @@ class GenerateRequest:
     return_token_ids: bool = False  # vLLM extension: token ids on each choice
     kv_transfer_params: dict | None = None  # typed by the worker (KVTransferParams)
     chat_options: ChatOptions = field(default_factory=ChatOptions)  # chat: tools, template kwargs
+    # the grammar the output must follow: response_format / structured_outputs, or the forced
+    # tool_choice's (http/tool_schema.py)
+    structured: StructuredOutput | None = None
 
     def sampling_kwargs(self, max_tokens: int) -> dict[str, Any]:
         """The engine's SamplingParams fields (the engine checks their ranges)."""
-        return {"max_tokens": max_tokens,
+        return {"max_tokens": max_tokens, "structured": self.structured,
                 **{k: type(v)(v) if isinstance(v, (list, dict)) else v
                    for k, v in self.sampling.items()}}
 
@@ -85,9 +93,11 @@ class _Fields:
             raise bad_request(f"`{name}` is not supported by this server ({what})", name)
 
 
-def parse_request(body: dict, kind: Kind) -> GenerateRequest:
+def parse_request(body: dict, kind: Kind, features: Features = NONE) -> GenerateRequest:
+    """`features`: what the caller honours beyond plain generation (a worker's flags; the
+    router's default honours none of them)."""
     f = _Fields(body)
-    reject_unsupported(body)
+    reject_unsupported(body, features)
     unknown_fields.note(body, kind)
     model = f.get("model", (str,), "a string")
     n = f.integer("n", 1)
@@ -113,15 +123,22 @@ def parse_request(body: dict, kind: Kind) -> GenerateRequest:
         "sampling": {"n": n, **_sampling(f)},
         "stream": stream, "include_usage": bool(stream and include_usage),
         "return_token_ids": f.boolean("return_token_ids"), "kv_transfer_params": kv}
+    structured = parse_structured(body) if features.structured else None
     if kind == "completion":
         if "prompt" not in body or body["prompt"] is None:
             raise bad_request("`prompt` is required", "prompt")
-        return GenerateRequest(prompt=_prompt(body["prompt"]), **common)
+        return GenerateRequest(prompt=_prompt(body["prompt"]), structured=structured, **common)
     if "messages" not in body or body["messages"] is None:
         raise bad_request("`messages` is required", "messages")
+    options = parse_chat_options(body, features=features)
+    forced = forced_tool_output(options)
+    if forced is not None and structured is not None:
+        raise bad_request(f"`tool_choice` {options.tool_choice.mode!r} forces the output's shape: "
+                          "send no `response_format` or `structured_outputs` with it",
+                          "tool_choice")
     return GenerateRequest(messages=parse_messages(body["messages"]),
                            add_generation_prompt=f.boolean("add_generation_prompt", True),
-                           chat_options=parse_chat_options(body), **common)
+                           chat_options=options, structured=forced or structured, **common)
 
 
 # a SamplingParams field's type -> how its JSON value is read (None or absent: the default)
@@ -135,7 +152,7 @@ _READERS = {
     "dict[int, float]": lambda f, name, default: _logit_bias(f.body.get(name)),
 }
 _KNOBS = [(k.name, _READERS[str(k.type)], k.default) for k in fields(SamplingParams)
-          if k.name not in ("max_tokens", "n")]  # read first, with their own rules
+          if k.name not in ("max_tokens", "n", "structured")]  # read with their own rules
 
 
 def _sampling(f: _Fields) -> dict[str, Any]:

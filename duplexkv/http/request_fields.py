@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from duplexkv.http.errors import bad_request
+from duplexkv.http.features import NONE, Features
 
 log = logging.getLogger("duplexkv.http")
 
@@ -26,26 +27,27 @@ _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "pre
 HONOURED = {
     "completion": frozenset((*_COMMON, "prompt")),
     "chat": frozenset((*_COMMON, "messages", "max_completion_tokens", "add_generation_prompt",
-                       "tools", "tool_choice", "documents", "chat_template_kwargs",
-                       "top_logprobs")),
+                       "tools", "tool_choice", "parallel_tool_calls", "documents",
+                       "chat_template_kwargs", "top_logprobs")),
 }
 # no effect on the answer here: bookkeeping (user, metadata, ...), our router's conversation id,
-# `parallel_tool_calls` (no tool calls are parsed), and `add_special_tokens` (the Qwen3
-# tokenizers we serve add no special tokens either way)
+# and `add_special_tokens` (the Qwen3 tokenizers we serve add no special tokens either way)
 ACCEPTED = frozenset((
     "user", "metadata", "store", "service_tier", "request_id", "conversation_id", "session_id",
-    "parallel_tool_calls", "add_special_tokens", "length_penalty", "early_stopping"))
+    "add_special_tokens", "length_penalty", "early_stopping"))
 
 # feature -> (its no-op values, why it cannot be honoured)
 _GUIDED = "guided decoding (structured output) is not supported"
+_OLD = ("vLLM's old guided_* fields are not accepted (vLLM replaced them by "
+        "`structured_outputs`, which workers honour)")
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "response_format": ((), _GUIDED + "; only {\"type\": \"text\"}"),
-    "guided_json": ((), _GUIDED),
-    "guided_regex": ((), _GUIDED),
-    "guided_choice": ((), _GUIDED),
-    "guided_grammar": ((), _GUIDED),
-    "guided_decoding_backend": ((), _GUIDED),
-    "guided_whitespace_pattern": ((), _GUIDED),
+    "guided_json": ((), _OLD),
+    "guided_regex": ((), _OLD),
+    "guided_choice": ((), _OLD),
+    "guided_grammar": ((), _OLD),
+    "guided_decoding_backend": ((), _OLD),
+    "guided_whitespace_pattern": ((), _OLD),
     "structured_outputs": ((), _GUIDED),
     "structural_tag": ((), _GUIDED),
     "functions": ((), "the legacy function-calling API is not supported; use `tools`"),
@@ -76,9 +78,15 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
 }
 
 
-def reject_unsupported(body: dict) -> None:
+# honoured when the server does guided decoding (duplexkv.http.structured)
+STRUCTURED = frozenset(("response_format", "structured_outputs"))
+
+
+def reject_unsupported(body: dict, features: Features = NONE) -> None:
     """A 400 naming the first field set to a feature this server cannot honour."""
     for name in sorted(body.keys() & UNSUPPORTED.keys()):
+        if features.structured and name in STRUCTURED:
+            continue
         v = body[name]
         allowed, why = UNSUPPORTED[name]
         if v is None or v in allowed or (name == "response_format" and _plain_text(v)):

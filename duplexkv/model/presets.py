@@ -51,7 +51,8 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 DEFAULT_PRESET = "bench"
-SYNTH_VERSION = 2  # of synth.py's output for a given config (tokenizer, weights, files)
+SYNTH_VERSION = 3  # of synth.py's output for a given config (tokenizer, weights, files)
+# (3: the chat template renders tool calls and tool results as Qwen's; weights unchanged)
 
 
 def get_preset(name: str) -> ModelConfig:

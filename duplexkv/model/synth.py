@@ -66,6 +66,7 @@ from tokenizers import (
 from duplexkv.model.config import ModelConfig, ModelLoadError
 from duplexkv.model.loader import expected_weight_shapes
 from duplexkv.model.presets import get_preset
+from duplexkv.model.synth_template import CHAT_TEMPLATE
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 ENDOFTEXT, IM_START, IM_END = range(3)
@@ -73,35 +74,6 @@ ENDOFTEXT, IM_START, IM_END = range(3)
 SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# ChatML, like Qwen's: tools as a system turn listing their JSON schemas, and Qwen3's
-# `enable_thinking=False` as an empty think block after the generation prompt (what vLLM users
-# pass in `chat_template_kwargs`); without either it renders exactly as before
-CHAT_TEMPLATE = (
-    "{%- if tools %}\n"
-    "{{- '<|im_start|>system\\n# Tools\\n<tools>' }}\n"
-    "{%- for tool in tools %}\n"
-    "{{- '\\n' + (tool | tojson) }}\n"
-    "{%- endfor %}\n"
-    "{{- '\\n</tools><|im_end|>\\n' }}\n"
-    "{%- endif %}\n"
-    "{%- for message in messages %}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}\n"
-    "{%- if message['content'] is string %}\n"
-    "{{- message['content'] }}\n"
-    "{%- else %}\n"
-    "{%- for part in message['content'] %}\n"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}\n"
-    "{%- endfor %}\n"
-    "{%- endif %}\n"
-    "{{- '<|im_end|>\\n' }}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "{{- '<|im_start|>assistant\\n' }}\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}\n"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}\n"
-    "{%- endif %}\n"
-    "{%- endif %}\n"
 )
 EMBED_SCALE_SPREAD = 0.35
 GATE_GAIN = 3.0

@@ -68,6 +68,9 @@ class RouterConfig:
     # never in a repr or a log, only its redacted form) and how often the router reads it
     discovery: str | None = field(default=None, repr=False)
     discovery_interval_s: float = 1.0
+    # a chat request without a conversation id continues the conversation its messages extend
+    # (conversation/recognise.py)
+    recognise: bool = True
     # where each turn's prefill runs (router/placement.py)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 

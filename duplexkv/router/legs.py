@@ -94,6 +94,7 @@ class TurnStats:
     suffix_estimate: int | None = None  # the router's estimate of the new tokens
     verify: dict | None = None  # a replay to a P that does not check tokens (router/verify.py)
     warmup_wait_ms: float | None = None  # waited for a P<->D channel warm-up (warmup.py)
+    recognised: bool | None = None  # no conversation id: a stored turn matched the content
 
     def as_dict(self) -> dict:
         out = {"conversation": self.conversation, "prefill": self.prefill,
@@ -108,6 +109,8 @@ class TurnStats:
             out["verify"] = self.verify
         if self.warmup_wait_ms is not None:
             out["warmup_wait_ms"] = self.warmup_wait_ms
+        if self.recognised is not None:
+            out["recognised"] = self.recognised
         return out
 
 

@@ -34,6 +34,10 @@ class RouterMetrics:
         self.conversations = Counter(
             "duplexkv_router_conversations", "Conversation entries by event (stored, hit, miss, "
             "expired, evicted; not_retained = D returned no params to keep for the next turn)", ["event"], **m)
+        self.recognised = Counter(
+            "duplexkv_router_recognised", "Chat turns without a conversation id looked up by "
+            "their content (matched: a stored turn's messages are a prefix of theirs; "
+            "unmatched: none is)", ["result"], **m)
         self.reuse = Counter(
             "duplexkv_router_reuse", "Replayed turns by the outcome P reported (pulled, "
             "threshold, mismatch, expired, failed, ...; retried = P failed and the turn was "
@@ -64,6 +68,8 @@ class RouterMetrics:
                             "Conversation entries in the store", **m)
         for event in ("stored", "hit", "miss", "expired", "evicted", "not_retained"):
             self.conversations.labels(event)
+        for result in ("matched", "unmatched"):
+            self.recognised.labels(result)
         for outcome in (*REUSE_OUTCOMES, "other", "retried", "mixed"):
             self.reuse.labels(outcome)
 

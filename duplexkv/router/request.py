@@ -43,6 +43,9 @@ class ClientRequest:
     # when the router has no keys (one namespace shared by every client)
     api_key: str | None
     request_id: str | None  # the client's X-Request-Id, if any
+    # `conversation_id: ""`: the request continues no conversation (nothing is recognised from
+    # its content either: conversation/recognise.py)
+    unlinked: bool = False
 
     @property
     def path(self) -> str:
@@ -59,11 +62,13 @@ def parse_client_request(raw: bytes, headers: Mapping[str, str], kind: Kind,
     """Raises APIError (400) for what a worker would reject anyway. `api_key`: the key the
     request authenticated with (`duplexkv.http.auth.api_key_of`)."""
     body = parse_json(raw, max_depth)
+    unlinked = body.get("conversation_id") == ""
     conv = _conversation_id(body.pop("conversation_id", None), headers)
     body.pop("kv_transfer_params", None)  # never trusted from a client
     parse_request(body, kind)  # the worker's own validation: the same 400s with or without us
     return ClientRequest(kind, body, body.get("stream") is True, body.get("model"), conv,
-                         api_key, clean_request_id(headers.get("x-request-id")))
+                         api_key, clean_request_id(headers.get("x-request-id")),
+                         unlinked and conv is None)
 
 
 def _conversation_id(value: Any, headers: Mapping[str, str]) -> str | None:

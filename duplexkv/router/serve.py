@@ -96,6 +96,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--keepalive-seconds", type=float, default=60.0, metavar="S",
                    help="how long POST /v1/conversations/{id}/keepalive keeps a conversation "
                         "active when its body names no `seconds` (default 60)")
+    p.add_argument("--no-recognise", dest="recognise", action="store_false",
+                   help="do not recognise a conversation from its messages: a chat request "
+                        "without a conversation id runs as plain P/D")
     p.add_argument("--placement", choices=MODES, default=DEFAULT_MODE,
                    help="where a conversation's turn is prefilled: 'auto' (default: chosen per "
                         "turn, on the conversation's own D when it holds the history, the suffix "
@@ -128,7 +131,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         lease_renew_period_s=args.lease_renew_period, keepalive_s=args.keepalive_seconds,
         api_keys=keys_from(args.api_key), worker_api_key=worker_key(args.worker_api_key),
         discovery=discovery.url if discovery is not None else None,
-        discovery_interval_s=args.discovery_interval,
+        discovery_interval_s=args.discovery_interval, recognise=args.recognise,
         placement=PlacementConfig(args.placement, args.decode_local_max_tokens,
                                   args.decode_local_max_outstanding))
 

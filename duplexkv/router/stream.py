@@ -7,6 +7,9 @@ by the combined one, which is also added to the finish chunk when D sent none (a
 without kv_stats, to its `include_usage` chunk, with D's usage as the decode stats). Events that
 carry neither pass through as bytes, unparsed.
 
+With `on_choice` every event is parsed and its choice 0 handed to it (the answer's text, for a
+conversation recognised from its content: conversation/answer.py).
+
 With `tokens` (a D that is not ours, router/verify.py) or `collect` (a stream the router may
 continue on another D, turn/migrate.py) the stream's `prompt_token_ids` (vLLM's first chunk) and
 choice 0's `token_ids` are collected, and removed unless the client asked for them; `head` keeps
@@ -32,7 +35,8 @@ DONE = b"data: [DONE]"
 class StreamRelay:
     def __init__(self, stats: TurnStats, arrival: float,
                  clock: Callable[[], float] = time.perf_counter, tokens: bool = False,
-                 strip_tokens: bool = True, collect: bool = False) -> None:
+                 strip_tokens: bool = True, collect: bool = False,
+                 on_choice: Callable[[dict], None] | None = None) -> None:
         self.stats = stats
         self.arrival = arrival
         self.clock = clock
@@ -47,6 +51,7 @@ class StreamRelay:
         self.head: dict = {}
         self._prompt_ids: list[int] | None = None
         self._output_ids: list[int] | None = [] if self.collecting else None
+        self.on_choice = on_choice  # every event's choice 0 (conversation/answer.py)
 
     @property
     def prompt_ids(self) -> list[int] | None:
@@ -89,7 +94,8 @@ class StreamRelay:
         if event.startswith(b'data: {"error"'):
             self.error = True
             return event
-        needs_parse = (self.first_token_at is None or b'"kv_' in event
+        needs_parse = (self.first_token_at is None or self.on_choice is not None
+                       or b'"kv_' in event
                        or (b'"finish_reason"' in event and b'"finish_reason":null' not in event)
                        or (self.collecting and _TOKEN_IDS in event)
                        or (self.stats.decode_source != "kv_stats"
@@ -113,6 +119,8 @@ class StreamRelay:
         first = choices[0] if choices and isinstance(choices[0], dict) else {}
         if not self.head:
             self.head = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
+        if self.on_choice is not None and first:
+            self.on_choice(first)
         if self.first_token_at is None and _has_token(first):
             self.first_token_at = self.clock()
             self.stats.first_token_ms = round((self.first_token_at - self.arrival) * 1e3, 3)

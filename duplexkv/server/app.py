@@ -30,6 +30,7 @@ from duplexkv.http.auth import APIKeyAuth
 from duplexkv.http.errors import APIError, bad_request, engine_unavailable, internal_error
 from duplexkv.http.version import version_endpoint
 from duplexkv.engine.state import EngineSnapshot
+from duplexkv.server.chat_output import ChatParsing
 from duplexkv.server.metrics import ServerMetrics
 from duplexkv.server import tokenize
 from duplexkv.server.serving import OpenAIServing
@@ -58,9 +59,10 @@ def default_max_request_bytes(max_model_len: int) -> int:
 def build_app(aeng: AsyncEngine, served_model_names: str | Sequence[str],
               health_extra: Callable[[], dict] | None = None,
               collectors: tuple = (), max_request_bytes: int | None = None,
-              api_keys: tuple[str, ...] = ()) -> FastAPI:
+              api_keys: tuple[str, ...] = (), parsing: ChatParsing | None = None) -> FastAPI:
     """The app for one engine; `health_extra()` adds fields to /health (e.g. the KV layer's).
-    Requests may name any of `served_model_names`; responses and metrics carry the first."""
+    Requests may name any of `served_model_names`; responses and metrics carry the first.
+    `parsing`: the tool-call and reasoning parsers of chat answers (none by default)."""
     names = (served_model_names,) if isinstance(served_model_names, str) \
         else tuple(served_model_names)
     assert names, "at least one served model name"
@@ -71,7 +73,7 @@ def build_app(aeng: AsyncEngine, served_model_names: str | Sequence[str],
     for collector in collectors:  # e.g. the KV connector's
         metrics.registry.register(collector)
     serving = OpenAIServing(aeng, names, metrics, max_request_bytes
-                            or default_max_request_bytes(aeng.engine.max_model_len))
+                            or default_max_request_bytes(aeng.engine.max_model_len), parsing)
     created = int(time.time())
     app.state.aeng, app.state.metrics, app.state.serving = aeng, metrics, serving
 

@@ -14,10 +14,12 @@ from duplexkv.wire.kv_params import KVParamsError, KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine, RequestRejected
 from duplexkv.wire.sampling import SamplingParams
 from duplexkv.http.errors import bad_request, model_not_found
+from duplexkv.http.features import Features
 from duplexkv.http.openai import GenerateRequest, Kind, parse_request
 from duplexkv.http.request_id import clean_request_id
 
 PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
+WORKER = Features(structured=True)  # a worker's, without --enable-auto-tool-choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +31,8 @@ class Prepared:
 
 
 def prepare(engine: LLMEngine, served_model_names: tuple[str, ...], body: dict,
-            kind: Kind) -> Prepared:
-    req = parse_request(body, kind)
+            kind: Kind, features: Features = WORKER) -> Prepared:
+    req = parse_request(body, kind, features)
     if req.model is not None and req.model not in served_model_names:
         raise model_not_found(req.model)
     ids = _tokenize(engine, req)

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from duplexkv.engine.llm_engine import RequestOutput
 from duplexkv.http.openai import Kind
+from duplexkv.server.chat_output import ChoiceParser
 
 DONE = "data: [DONE]\n\n"
 
@@ -61,6 +63,9 @@ class Formatter:
     n: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
     latest: dict[int, RequestOutput] = field(default_factory=dict)  # stream: per choice
+    # chat with a reasoning or tool-call parser (server/chat_output.py): one parser per choice
+    parser: Callable[[], ChoiceParser] | None = None
+    parsers: dict[int, ChoiceParser] = field(default_factory=dict)
 
     @property
     def _object(self) -> str:
@@ -78,9 +83,12 @@ class Formatter:
 
     def _choice(self, out: RequestOutput) -> dict:
         if self.kind == "chat":
-            choice = {"index": out.index, "message": {"role": "assistant", "content": out.text},
-                      "logprobs": None, "finish_reason": out.finish_reason,
-                      "stop_reason": out.stop_reason}
+            message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
+            if self.parser is not None:
+                parser = self.parser()
+                message, finish = parser.message(out.text), parser.finish_reason(finish)
+            choice = {"index": out.index, "message": message, "logprobs": None,
+                      "finish_reason": finish, "stop_reason": out.stop_reason}
         else:
             choice = {"index": out.index, "text": out.text, "logprobs": None,
                       "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
@@ -90,11 +98,14 @@ class Formatter:
         return choice
 
     # stream
-    def _chunk(self, index: int, delta: str, finish_reason: str | None,
+    def _chunk(self, index: int, delta: str | dict, finish_reason: str | None,
                role: bool = False) -> dict:
+        """`delta`: new text, or (chat with parsers) the delta's parts."""
         if self.kind == "chat":
             d: dict = {"role": "assistant", "content": ""} if role else {}
-            if delta:
+            if isinstance(delta, dict):
+                d.update(delta)
+            elif delta:
                 d["content"] = delta
             choice = {"index": index, "delta": d, "logprobs": None,
                       "finish_reason": finish_reason}
@@ -118,8 +129,10 @@ class Formatter:
         return [self.latest[i] for i in range(self.n)]
 
     def chunk(self, out: RequestOutput) -> str | None:
-        """The SSE line for one engine output (None when it carries nothing new)."""
+        """The SSE line(s) for one engine output (None when it carries nothing new)."""
         self.latest[out.index] = out
+        if self.parser is not None and self.kind == "chat":
+            return self._parsed_chunks(out)
         if not out.finished:
             if not out.new_text and not (self.return_token_ids and out.new_token_ids):
                 return None
@@ -127,10 +140,39 @@ class Formatter:
             if self.return_token_ids:
                 body["choices"][0]["token_ids"] = out.new_token_ids
             return sse(body)
-        body = self._chunk(out.index, out.new_text, out.finish_reason)
+        return self._final_chunk(out, out.new_text, out.finish_reason)
+
+    def _parsed_chunks(self, out: RequestOutput) -> str | None:
+        """Chat through parsers: a chunk per delta part (reasoning/content, then each tool
+        call piece, as vLLM sends them); the finish chunk carries the last part."""
+        parser = self.parsers.setdefault(out.index, self.parser())  # type: ignore[misc]
+        d = parser.feed(out.new_text, final=out.finished)
+        parts = [{k: v for k, v in d.as_dict().items() if k != "tool_calls"}] + \
+                [{"tool_calls": [tc]} for tc in d.tool_calls]
+        parts = [p for p in parts if p]
+        ids = out.new_token_ids if self.return_token_ids else None
+        last = parts.pop() if out.finished and parts else {}
+        lines = []
+        for i, part in enumerate(parts):
+            body = self._chunk(out.index, part, None)
+            if ids is not None and i == 0:
+                body["choices"][0]["token_ids"] = ids
+            lines.append(sse(body))
+        if out.finished:
+            lines.append(self._final_chunk(out, last, parser.finish_reason(out.finish_reason),
+                                           ids if not parts else []))
+        elif not lines and ids:
+            body = self._chunk(out.index, {}, None)
+            body["choices"][0]["token_ids"] = ids
+            lines.append(sse(body))
+        return "".join(lines) or None
+
+    def _final_chunk(self, out: RequestOutput, delta: str | dict, finish: str | None,
+                     ids: list[int] | None = None) -> str:
+        body = self._chunk(out.index, delta, finish)
         body["choices"][0]["stop_reason"] = out.stop_reason
         if self.return_token_ids:
-            body["choices"][0]["token_ids"] = out.new_token_ids
+            body["choices"][0]["token_ids"] = out.new_token_ids if ids is None else ids
         known = [self.latest[i] for i in sorted(self.latest)]
         body["kv_stats"] = kv_stats(known) if 0 in self.latest else None
         last = len(self.latest) == self.n and all(o.finished for o in known)

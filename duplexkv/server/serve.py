@@ -12,6 +12,7 @@ from dataclasses import fields
 from duplexkv.engine.config import EngineConfig
 from duplexkv.engine.dtype import DTYPE_CHOICES
 from duplexkv.flags import Accumulate
+from duplexkv.server.chat_flags import add_chat_parsing_args, chat_parsing
 from duplexkv.server.discovery import DiscoverySpec, add_discovery_args, run_registration
 
 log = logging.getLogger("duplexkv.serve")
@@ -79,6 +80,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cost-calibration-s", type=float, default=2.0, metavar="S",
                    help="time budget of the prefill cost model's start-up calibration (the KV "
                         "pull decision); 0 skips it (the model then learns from real prefills)")
+    add_chat_parsing_args(p)
     add_discovery_args(p)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run_serve)
@@ -116,6 +118,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from duplexkv.http.auth import keys_from
 
     api_keys = keys_from(args.api_key)
+    parsing = chat_parsing(args)
     discovery = DiscoverySpec.from_args(args)
     # heavy imports only once the arguments are known to be good
     import uvicorn
@@ -142,7 +145,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 out["discovery"] = registration["registrar"].health()
             return out
 
-        app = build_app(aeng, names, health_extra, collectors, args.max_request_bytes, api_keys)
+        app = build_app(aeng, names, health_extra, collectors, args.max_request_bytes, api_keys,
+                        parsing)
         add_kv_routes(app)
         server = Server(uvicorn.Config(app, host=args.host,
                                        port=args.port, lifespan="off", log_level="warning",

@@ -25,8 +25,10 @@ from duplexkv.engine.async_engine import AsyncEngine, EngineDeadError, RequestFa
 from duplexkv.engine.llm_engine import RequestOutput
 from duplexkv.http.body import DEFAULT_MAX_REQUEST_BYTES, parse_json, read_body
 from duplexkv.http.errors import APIError, bad_request, engine_unavailable, internal_error
+from duplexkv.http.features import Features
 from duplexkv.http.openai import Kind
 from duplexkv.http.sse import SSEResponse
+from duplexkv.server.chat_output import ChatParsing
 from duplexkv.server.metrics import ChoiceTimes, ServerMetrics
 from duplexkv.server.prepare import Prepared, RequestIds, prepare
 from duplexkv.server.responses import DONE, Formatter, cached_tokens, sse
@@ -35,6 +37,11 @@ log = logging.getLogger("duplexkv.server")
 T = TypeVar("T")
 ENDPOINT = {"completion": "completions", "chat": "chat_completions"}
 PREP_THREADS = 2
+
+
+def _json_output(params) -> bool:
+    """The grammar makes the whole answer JSON (no room for a reasoning trace)."""
+    return params.structured is not None and params.structured.kind in ("json", "json_object")
 
 
 class ClientDisconnected(Exception):
@@ -81,8 +88,12 @@ async def unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
 class OpenAIServing:
     def __init__(self, aeng: AsyncEngine, served_model_names: tuple[str, ...],
                  metrics: ServerMetrics,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 parsing: ChatParsing | None = None) -> None:
         self.aeng = aeng
+        self.parsing = parsing or ChatParsing()
+        self.features = Features(structured=True,
+                                 auto_tools=self.parsing.tool_parser is not None)
         self.names = served_model_names
         self.model = served_model_names[0]
         self.metrics = metrics
@@ -92,7 +103,7 @@ class OpenAIServing:
         self.prep_pool = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="prepare")
 
     def _prepare(self, raw: bytes, kind: Kind) -> Prepared:
-        return prepare(self.aeng.engine, self.names, parse_json(raw), kind)
+        return prepare(self.aeng.engine, self.names, parse_json(raw), kind, self.features)
 
     async def handle(self, request: Request, kind: Kind) -> Response:
         endpoint, arrival = ENDPOINT[kind], time.perf_counter()
@@ -112,7 +123,9 @@ class OpenAIServing:
         n = prep.params.n
         ctx = RequestCtx(rid, resp_id, endpoint, arrival, prep.params.max_tokens, n)
         fmt = Formatter(kind, resp_id, self.model, prep.req.include_usage,
-                        prep.req.return_token_ids, n)
+                        prep.req.return_token_ids, n, parser=None if kind != "chat" else
+                        self.parsing.for_request(prep.req.chat_options,
+                                                 _json_output(prep.params)))
         headers = {"X-Request-Id": rid}
         log.info("%s %s: prompt=%d max_tokens=%d n=%d stream=%s kv_transfer=%s", rid, endpoint,
                  len(prep.prompt_ids), prep.params.max_tokens, n, prep.req.stream,

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from duplexkv.wire.structured import StructuredOutput
+
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below this is greedy
 MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
@@ -45,6 +47,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     n: int = 1  # choices; choice i samples with seed + i (engine/parallel.py)
+    # a grammar the output must match (response_format, structured_outputs, forced tool calls)
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +106,8 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP \
                 or not all(is_int(t) and 0 <= t <= MAX_ID for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be a list of at most {MAX_STOP} token ids")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            bad("structured", "must be a StructuredOutput")
         if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > 1024:
             bad("logit_bias", "must map at most 1024 token ids to biases")
         for tok, b in self.logit_bias.items():

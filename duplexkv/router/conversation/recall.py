@@ -1,6 +1,8 @@
 """A conversation's turns as the router uses them: which entry a turn replays, what it keeps.
 
-    recall     (api key, conversation id) -> the stored entry, taken (single use); no id -> none
+    recall     (api key, conversation id) -> the stored entry, taken (single use); no id: the
+               entry of the newest stored prefix of the request's messages (recognise.py),
+               looked up newest first and taken the same way; neither -> none
     remember   D's params of a finished turn (remote_host fixed up if loopback) -> the store;
                a D that returned none (e.g. vLLM without bidirectional KV transfer) leaves a
                marker with empty params, so that the next turn reports `not_retained` instead of
@@ -21,11 +23,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from duplexkv.router.conversation.breaker import BreakerOpen
 from duplexkv.router.conversation.lifecycle import LeaseKeeper
-from duplexkv.router.conversation.store import ConversationStore, Entry, conversation_key
+from duplexkv.router.conversation.recognise import Recognition
+from duplexkv.router.conversation.store import (
+    ConversationStore,
+    Entry,
+    TakeResult,
+    conversation_key,
+)
 from duplexkv.router.legs import rewrite_remote_host, shares_our_clock
 from duplexkv.router.metrics import RouterMetrics
 
@@ -37,9 +45,11 @@ EXPIRY_MARGIN_S = 1.0  # D's blocks must outlive the P leg's read by this much
 class Recalled:
     """What the store held for a turn's conversation when the turn began."""
 
-    key: str | None  # the store key; None: the request names no conversation
+    key: str | None  # the store key; None: no conversation (neither named nor recognisable)
     entry: Entry | None  # the entry to replay (taken: no other turn gets it); None: a miss
     state: str  # none | miss | expired | invalidated | hit | not_retained
+    recognition: Recognition | None = None  # no id: the content's keys (recognise.py)
+    recognised: bool | None = None  # no id: whether a stored turn matched (None: an id, or none)
 
 
 class Conversations:
@@ -50,15 +60,38 @@ class Conversations:
         self._warned: set[str] = set()  # D workers already logged as not retaining
 
     async def recall(self, api_key: str | None, conversation_id: str | None,
-                     request_id: str) -> Recalled:
-        if conversation_id is None:
+                     request_id: str, recognition: Recognition | None = None) -> Recalled:
+        """The entry of the conversation the request names, else of the one its content
+        continues (`recognition`: the prefixes to look up, newest first; an explicit id wins)."""
+        if conversation_id is not None:
+            key = conversation_key(api_key, conversation_id)
+            return self._classify(key, await self._take(key, request_id))
+        if recognition is None:
             return Recalled(None, None, "none")
-        key, m = conversation_key(api_key, conversation_id), self.metrics.conversations
+        for key in recognition.candidates:
+            taken = await self._take(key, request_id)
+            if taken is None:  # the store failed: a miss
+                break
+            if taken.entry is not None or taken.expired:
+                self.metrics.recognised.labels("matched").inc()
+                return replace(self._classify(key, taken), recognition=recognition,
+                               recognised=True)
+        self.metrics.recognised.labels("unmatched").inc()
+        self.metrics.conversations.labels("miss").inc()
+        return Recalled(recognition.own_key, None, "miss", recognition, False)
+
+    async def _take(self, key: str, request_id: str) -> TakeResult | None:
         try:
-            taken = await self.store.take(key)
+            return await self.store.take(key)
         except Exception as e:  # noqa: BLE001 - any store failure: run the turn as a miss
             _log_failure(request_id, "take", e)
             self.metrics.store_errors.labels("take").inc()
+            return None
+
+    def _classify(self, key: str, taken: TakeResult | None) -> Recalled:
+        """What a take from the store gives the turn (None: the store failed)."""
+        m = self.metrics.conversations
+        if taken is None:
             return Recalled(key, None, "miss")
         if taken.expired:
             m.labels("expired").inc()
@@ -82,7 +115,12 @@ class Conversations:
         return Recalled(key, taken.entry, "hit")
 
     async def remember(self, key: str | None, decode_url: str, params: dict | None,
-                       request_id: str, tokens: list[int] | None = None) -> None:
+                       request_id: str, tokens: list[int] | None = None,
+                       recalled_key: str | None = None) -> None:
+        """`recalled_key`: the key the turn was recalled under, when the entry goes to another
+        (a recognised conversation's key moves with every turn)."""
+        if recalled_key not in (None, key) and self.keeper is not None:
+            self.keeper.turn_finished(recalled_key, None)
         if key is None:
             return
         if not params:

@@ -18,7 +18,7 @@ the conversation's store, for the next turn.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,6 +27,7 @@ from starlette.responses import Response
 
 from duplexkv.http.sse import SSEResponse
 from duplexkv.router.backends import Backend, BackendPool, InFlight, in_flight
+from duplexkv.router.conversation.answer import StreamedAnswer, json_answer
 from duplexkv.router.conversation.recall import Conversations
 from duplexkv.router.legs import decode_body, dumps, finish_json
 from duplexkv.router.metrics import RouterMetrics
@@ -74,7 +75,7 @@ class DecodeLeg:
         tokens = None
         if _learns_tokens(turn, order, d):
             tokens = _held_from_json(out, params, strip=not _client_wants_tokens(turn))
-        await self._remember(turn, order, d, params, tokens)
+        await self._remember(turn, order, d, partial(json_answer, out), params, tokens)
         self.metrics.overhead.observe(turn.overhead(perf()))
         self.metrics.requests.labels(turn.req.endpoint, "ok").inc()
         return Response(dumps(out), media_type="application/json",
@@ -83,20 +84,26 @@ class DecodeLeg:
     async def _stream(self, turn: Turn, order: DecodeOrder,
                       avoid: frozenset[Backend]) -> Response:
         d = (opened := await self._open(turn, order, avoid, stream=True)).d
+        answer = StreamedAnswer() if order.recognition is not None else None
         relay = StreamRelay(turn.stats, turn.arrival, tokens=_learns_tokens(turn, order, d),
                             strip_tokens=not _client_wants_tokens(turn),
-                            collect=migratable(turn.req.body))
+                            collect=migratable(turn.req.body),
+                            on_choice=answer.feed if answer is not None else None)
         migration = Migration(self.pool, self.calls, turn, relay) if relay.collecting else None
         leg = StreamLeg(turn, d, opened.resp, opened.count, relay, self.metrics,
-                        partial(self._remember, turn, order, d), self.calls.liveness, migration)
+                        partial(self._remember, turn, order, d,
+                                answer.message if answer is not None else _no_answer),
+                        self.calls.liveness, migration)
         return SSEResponse(leg.events(), on_close=leg.close,
                            headers={"X-Request-Id": turn.request_id, "Cache-Control": "no-cache"})
 
-    async def _remember(self, turn: Turn, order: DecodeOrder, d: Backend, params: dict | None,
+    async def _remember(self, turn: Turn, order: DecodeOrder, d: Backend,
+                        answer: Callable[[], dict | None], params: dict | None,
                         tokens: list[int] | None) -> None:
-        await self.conversations.remember(order.key, d.url,
+        """`answer()`: the assistant message D produced (a recognised conversation's key)."""
+        await self.conversations.remember(order.next_key(answer), d.url,
                                           with_prompt_chars(params, order.prompt_chars),
-                                          turn.request_id, tokens)
+                                          turn.request_id, tokens, order.key)
 
     def _candidates(self, order: DecodeOrder, avoid: frozenset[Backend]) -> Iterator[Backend]:
         if order.only is not None:  # decode_local: only the D that holds the history
@@ -145,6 +152,10 @@ class DecodeLeg:
             await resp.aclose()
         return Failure(ANSWER, self.calls.bad_status(d, resp), resp.status_code,
                        Relayed.of(resp))
+
+
+def _no_answer() -> None:
+    return None
 
 
 def _learns_tokens(turn: Turn, order: DecodeOrder, d: Backend) -> bool:

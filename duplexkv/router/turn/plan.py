@@ -14,10 +14,12 @@ serve: the turn runs through P as a miss (kv_stats.conversation "retried").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from duplexkv.router.backends import Backend, BackendView
 from duplexkv.router.conversation.recall import Recalled
+from duplexkv.router.conversation.recognise import Recognition
 from duplexkv.router.conversation.store import Entry
 from duplexkv.router.placement import (
     Placement,
@@ -39,6 +41,14 @@ class DecodeOrder:
     preferred_url: str | None = None  # the conversation's D, kept unless busier (backends.py)
     prefill: Backend | None = None  # the P that prefilled: a D still warming with it is avoided
     only: Backend | None = None  # decode_local: the one D that holds the history
+    recognition: Recognition | None = None  # no id: D's params go under the answer's key
+
+    def next_key(self, answer: Callable[[], dict | None]) -> str | None:
+        """Where D's params go for the next turn: the conversation's key, or for a recognised
+        conversation the key of the request's messages + D's answer (`answer()`)."""
+        if self.recognition is None:
+            return self.key
+        return self.recognition.answer_key(answer())
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +59,7 @@ class TurnPlan:
     prompt_chars: int | None = None  # conversation turns only
     placement: Placement | None = None  # where the prefill runs and why; None: no conversation
     local_params: dict | None = None  # decode_local: the params D gets for its own entry
+    recognition: Recognition | None = None  # no id: the content's keys (recognise.py)
 
     @property
     def local(self) -> bool:
@@ -56,12 +67,14 @@ class TurnPlan:
 
     def local_order(self, holder: Backend) -> DecodeOrder:
         """The D leg of a decode_local turn, on `holder` (the D of the entry) alone."""
-        return DecodeOrder(self.local_params, self.key, self.prompt_chars, only=holder)
+        return DecodeOrder(self.local_params, self.key, self.prompt_chars, only=holder,
+                           recognition=self.recognition)
 
     def decode_order(self, params: dict | None, prefill: Backend | None) -> DecodeOrder:
         """The D leg after P prefilled (`params`: P's kv_transfer_params)."""
         return DecodeOrder(params, self.key, self.prompt_chars,
-                           self.entry.decode_url if self.entry is not None else None, prefill)
+                           self.entry.decode_url if self.entry is not None else None, prefill,
+                           recognition=self.recognition)
 
     def fallen_back(self) -> TurnPlan:
         """decode_local failed: through P as a miss (counted as decode_local_failed)."""
@@ -80,4 +93,5 @@ def plan_turn(req: ClientRequest, recalled: Recalled, holder: BackendView | None
     entry, chars = recalled.entry, prompt_chars(req.body)
     placement = choose(cfg, entry.params if entry is not None else None, holder, chars)
     local = local_params(entry.params) if placement.local and entry is not None else None
-    return TurnPlan(recalled.key, entry, recalled.state, chars, placement, local)
+    return TurnPlan(recalled.key, entry, recalled.state, chars, placement, local,
+                    recalled.recognition)

