@@ -87,13 +87,15 @@ class Router:
 
 
 def start_router(log: Path, prefill: list[str], decode: list[str], *args: str,
-                 env: dict | None = None, placement: str | None = "prefill") -> Router:
+                 env: dict | None = None, placement: str | None = "prefill",
+                 defaults: bool = False) -> Router:
     """`env` adds to the environment (inherited API key variables are dropped unless given).
     The router tests are about the P leg (pulls from D, failover, leases): they pin
-    `--placement prefill`; `placement=None` runs the router's default (auto, test_placement)."""
+    `--placement prefill`; `placement=None` runs the router's default (auto, test_placement).
+    `defaults`: no health-interval override either (what a user gets; the fault tests)."""
+    fast_checks = () if defaults else ("--health-interval", "0.5")
     p = spawn(log.stem, ["router", "--prefill", *prefill, "--decode", *decode, "--port", "0",
-                         "--health-interval", "0.5",
-                         *(("--placement", placement) if placement else ()), *args],
+                         *fast_checks, *(("--placement", placement) if placement else ()), *args],
               log.parent, env)
     try:
         wait_ready([p], timeout_s=30, probe=None)  # its workers may be down on purpose

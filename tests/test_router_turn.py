@@ -184,6 +184,10 @@ class Workers:
 
     def __init__(self, **script) -> None:
         self.script, self.calls = script, []
+        self.client = self  # liveness probes (GET /health): every scripted worker is alive
+
+    async def get(self, url: str, timeout: float | None = None) -> httpx.Response:
+        return httpx.Response(200, json={"status": "ok"})
 
     async def post(self, url: str, content: bytes, headers: dict, stream: bool = False):
         self.calls.append((url, json.loads(content)))

@@ -5,6 +5,8 @@
                shrinks to the new tail) unless it is down or has `affinity_slack` more requests in
                flight than the least loaded D; otherwise the least loaded
     ties       fewest picks so far, which spreads an idle pool round robin
+    suspect    a worker that failed a leg is chosen only when no sound healthy one of its role
+               is left, until a probe clears it (router/liveness.py)
     warm       a healthy worker none of whose NIXL channels is open yet (router/warmup.py) is
                picked only when no warm healthy one of its role is left; a D whose channel with
                the turn's P is still being opened, only when no other warm D is left
@@ -25,11 +27,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 
 log = logging.getLogger("duplexkv.router")
+RTT_SAMPLES = 16  # /health answers remembered per worker (~30 s of health checks)
 
 
 @dataclass(slots=True, eq=False)
@@ -49,13 +53,36 @@ class Backend:
     block_size: int | None = None  # a vLLM worker's KV block (its /metrics), for verify.py
     kv_warning: str = ""  # a KV plane that workers on other hosts cannot reach
     warm: bool = True  # False while its NIXL channels are being opened (router/warmup.py)
+    suspect: bool = False  # failed a leg; chosen last until a probe clears it (liveness.py)
     _down: asyncio.Event | None = None  # set by the next mark_down; legs in flight wait on it
+    # how long its /health took lately (health checks and probes): a probe's timeout scales
+    # with it (router/liveness.py), so a worker slow to answer under load is not given up on
+    _rtts: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_SAMPLES))
+    last_progress: float = 0.0  # time.monotonic() of its last answer or stream event
+
+    def progressed(self) -> None:
+        self.last_progress = time.monotonic()
+
+    down_at: float = 0.0  # time.monotonic() when it was last marked down
+
+    def note_rtt(self, started: float) -> None:
+        """A /health call that began at `started` (time.monotonic()) was answered now; one
+        that began before the worker was last marked down says nothing of its load (a check
+        sent into a cut link is answered when the link is back)."""
+        if started > self.down_at:
+            self._rtts.append(time.monotonic() - started)
+
+    def recent_rtt(self) -> float:
+        """The slowest /health answer of the last RTT_SAMPLES (0 before any)."""
+        return max(self._rtts, default=0.0)
 
     def mark_down(self, reason: str) -> None:
         if self.healthy:
             log.warning("%s (%s) is down: %s", self.name, self.url, reason)
         self.healthy = False
         self.last_error = reason
+        self.down_at = time.monotonic()
+        self._rtts.clear()
         if self._down is not None:
             self._down.set()
             self._down = None
@@ -79,13 +106,14 @@ class Backend:
         if not self.healthy:
             log.info("%s (%s) is up again", self.name, self.url)
         self.healthy = True
+        self.suspect = False
         self.failed_checks = 0
         self.last_error = ""
 
     def as_dict(self) -> dict:
         return {"name": self.name, "role": self.role, "healthy": self.healthy,
                 "outstanding": self.outstanding, "picks": self.picks, "errors": self.errors,
-                "warm": self.warm, "last_error": self.last_error or None,
+                "warm": self.warm, "suspect": self.suspect, "last_error": self.last_error or None,
                 "kv_warning": self.kv_warning or None,
                 "last_check_age_s": round(time.monotonic() - self.last_check, 3)
                 if self.last_check else None}
@@ -174,7 +202,8 @@ class BackendPool:
     def _candidates(self, backends: list[Backend], exclude: set[Backend]) -> list[Backend]:
         left = [b for b in backends if b not in exclude]
         healthy = [b for b in left if b.healthy]
-        return [b for b in healthy if b.warm] or healthy or left
+        sound = [b for b in healthy if not b.suspect]
+        return [b for b in sound if b.warm] or sound or healthy or left
 
     def choose_prefill(self, exclude: set[Backend] = frozenset()) -> Backend | None:
         return self.pick(self._least_loaded(self._candidates(self.prefill, exclude)))
@@ -191,6 +220,7 @@ class BackendPool:
         least = self._least_loaded(candidates)
         pref = self.by_url.get(("decode", preferred_url)) if preferred_url else None
         if (pref is not None and least is not None and pref in candidates and pref.healthy
+                and not pref.suspect
                 and pref.outstanding <= least.outstanding + self.affinity_slack):
             return self.pick(pref), True
         return self.pick(least), False

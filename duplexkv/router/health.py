@@ -59,9 +59,11 @@ class HealthChecker:
             await asyncio.sleep(self.interval_s)
 
     async def check(self, b: Backend) -> None:
+        t = time.monotonic()
         try:
             r = await self.client.get(b.url + "/health", timeout=self.timeout_s)
             ok, reason = r.status_code == 200, f"/health returned {r.status_code}"
+            b.note_rtt(t)
         except httpx.ConnectError as e:
             ok, reason = False, f"connection failed ({type(e).__name__})"
             b.failed_checks = self.pool.unhealthy_after  # nothing listens there: down at once

@@ -10,8 +10,10 @@ carry neither pass through as bytes, unparsed.
 With `on_choice` every event is parsed and its choice 0 handed to it (the answer's text, for a
 conversation recognised from its content: conversation/answer.py).
 
-With `tokens` (a D that is not ours, router/verify.py) the stream's `prompt_token_ids` (first
-chunk) and choice 0's `token_ids` are collected, and removed unless the client asked for them.
+With `tokens` (a D that is not ours, router/verify.py) or `collect` (a stream the router may
+continue on another D, turn/migrate.py) the stream's `prompt_token_ids` (vLLM's first chunk) and
+choice 0's `token_ids` are collected, and removed unless the client asked for them; `head` keeps
+the first chunk's id, object, created and model (a continuation's chunks carry them).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ DONE = b"data: [DONE]"
 class StreamRelay:
     def __init__(self, stats: TurnStats, arrival: float,
                  clock: Callable[[], float] = time.perf_counter, tokens: bool = False,
-                 strip_tokens: bool = True,
+                 strip_tokens: bool = True, collect: bool = False,
                  on_choice: Callable[[dict], None] | None = None) -> None:
         self.stats = stats
         self.arrival = arrival
@@ -45,9 +47,24 @@ class StreamRelay:
         self.error = False  # D sent an error event
         self._buf = b""
         self.tokens, self.strip_tokens = tokens, strip_tokens
+        self.collecting = tokens or collect
+        self.head: dict = {}
         self._prompt_ids: list[int] | None = None
-        self._output_ids: list[int] | None = [] if tokens else None
+        self._output_ids: list[int] | None = [] if self.collecting else None
         self.on_choice = on_choice  # every event's choice 0 (conversation/answer.py)
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        return self._prompt_ids
+
+    @property
+    def output_ids(self) -> list[int] | None:
+        """Choice 0's tokens so far (None: not collected, or not in full)."""
+        return self._output_ids
+
+    def drop_partial(self) -> None:
+        """Forget an event D left unfinished (its stream broke)."""
+        self._buf = b""
 
     def held(self, params: dict | None) -> list[int] | None:
         """D's sequence whose KV it holds (None unless collected in full)."""
@@ -80,7 +97,7 @@ class StreamRelay:
         needs_parse = (self.first_token_at is None or self.on_choice is not None
                        or b'"kv_' in event
                        or (b'"finish_reason"' in event and b'"finish_reason":null' not in event)
-                       or (self.tokens and _TOKEN_IDS in event)
+                       or (self.collecting and _TOKEN_IDS in event)
                        or (self.stats.decode_source != "kv_stats"
                            and _USAGE.search(event) is not None))
         if not needs_parse:
@@ -100,12 +117,14 @@ class StreamRelay:
             return b"data: " + payload
         choices = obj.get("choices") if isinstance(obj.get("choices"), list) else []
         first = choices[0] if choices and isinstance(choices[0], dict) else {}
+        if not self.head:
+            self.head = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
         if self.on_choice is not None and first:
             self.on_choice(first)
         if self.first_token_at is None and _has_token(first):
             self.first_token_at = self.clock()
             self.stats.first_token_ms = round((self.first_token_at - self.arrival) * 1e3, 3)
-        changed = self._collect(obj, choices) if self.tokens else False
+        changed = self._collect(obj, choices) if self.collecting else False
         stats = self.stats
         if "kv_transfer_params" in obj:
             params = obj.pop("kv_transfer_params")

@@ -11,6 +11,8 @@
     prefill      PrefillLeg: the P leg under the policy, with token_check.py (the router's
                  token check of a replay to a vLLM P, verify.py)
     decode       DecodeLeg: the D leg (JSON, or stream_leg.py for a relayed stream)
+    migrate      Migration: a stream whose D broke, continued on another D from the prompt's
+                 and the streamed tokens' ids
     runner       TurnRunner: recall -> plan -> legs -> remember
 
 Every leg is counted in its worker's `outstanding` by backends.in_flight, which gives the count

@@ -3,11 +3,13 @@
     send         POST with the turn's request id and the router's worker key (never the
                  client's), its time added to the turn's wait. A refused or timed-out
                  connection marks the worker down; a worker marked down while the call is in
-                 flight (health checks: host unreachable, partitioned) has the call abandoned;
-                 both raise Unreachable (nothing was answered). Another transport error is
-                 counted and raised as it is (httpx.HTTPError).
+                 flight (a probe of the liveness watch, liveness.py, or a health check: hung,
+                 host unreachable, partitioned) has the call abandoned; both raise Unreachable
+                 (nothing was answered). Another transport error makes the worker suspect
+                 (probed at once) and is counted and raised as it is (httpx.HTTPError).
     bad_status   an answer that is not a usable 200: counted (a 4xx is the client's fault, not
-                 the worker's), a 503 marks the worker down (its engine is not available)
+                 the worker's), a 503 marks the worker down (its engine is not available),
+                 another 5xx makes it suspect
 Client-visible messages name a worker by role and index ("prefill[0]"), never by its URL, and
 carry no exception text (which can hold addresses); the log has the details. Which failure is
 retried where is retry.py's; the caller counts the leg in the worker's `outstanding`.
@@ -15,10 +17,8 @@ retried where is retry.py's; the caller counts the leg in the worker's `outstand
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import httpx
@@ -27,16 +27,13 @@ from starlette.responses import Response
 from duplexkv.http.errors import APIError
 from duplexkv.router.backends import Backend
 from duplexkv.router.legs import dumps
+from duplexkv.router.liveness import Liveness, WentDown
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.turn.context import Turn
 from duplexkv.router.upstream import Upstream
 
 log = logging.getLogger("duplexkv.router")
 perf = time.perf_counter
-
-
-class WentDown(Exception):
-    """The worker was marked down while a call to it was in flight."""
 
 
 class Unreachable(Exception):
@@ -68,8 +65,9 @@ def no_worker(role: str, detail: str) -> APIError:
 
 class WorkerCalls:
     def __init__(self, upstream: Upstream, metrics: RouterMetrics,
-                 worker_headers: dict[str, str]) -> None:
+                 worker_headers: dict[str, str], liveness: Liveness | None = None) -> None:
         self.upstream, self.metrics = upstream, metrics
+        self.liveness = liveness if liveness is not None else Liveness(upstream.client)
         self.worker_headers = worker_headers  # never the client's Authorization
 
     def _headers(self, turn: Turn) -> dict[str, str]:
@@ -82,7 +80,7 @@ class WorkerCalls:
         headers are read (the caller reads and closes the body)."""
         t = perf()
         try:
-            resp = await _unless_down(b, self.upstream.post(
+            resp = await self.liveness.guard(b, self.upstream.post(
                 b.url + (path or turn.req.path), dumps(body), self._headers(turn), stream=stream))
         except WentDown:
             b.note_error()
@@ -99,10 +97,12 @@ class WorkerCalls:
         except httpx.HTTPError as e:
             b.note_error(type(e).__name__)
             log.warning("%s: %s (%s) failed: %r", turn.request_id, b.name, b.url, e)
+            self.liveness.suspect(b, f"a leg failed ({type(e).__name__})")
             self.metrics.upstream_errors.labels(b.role, "transport").inc()
             raise
         finally:
             turn.waited.seconds += perf() - t
+        b.progressed()
         return resp
 
     def bad_status(self, b: Backend, resp: httpx.Response) -> str:
@@ -112,22 +112,9 @@ class WorkerCalls:
             b.note_error(f"HTTP {resp.status_code}")
         if resp.status_code == 503:
             b.mark_down("answered 503 (engine not available)")
+        elif resp.status_code >= 500:
+            self.liveness.suspect(b, f"answered HTTP {resp.status_code}")
         log.warning("%s (%s) answered HTTP %d: %s", b.name, b.url, resp.status_code,
                     resp.text[:300])
         return f"{b.name} answered HTTP {resp.status_code}"
 
-
-async def _unless_down(b: Backend, call: Awaitable[httpx.Response]) -> httpx.Response:
-    """`await call`, unless `b` is marked down first (then WentDown, the call cancelled)."""
-    task = asyncio.ensure_future(call)
-    down = asyncio.ensure_future(b.went_down().wait())
-    try:
-        await asyncio.wait((task, down), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        down.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise WentDown()
-    return task.result()

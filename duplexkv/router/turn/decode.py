@@ -10,7 +10,9 @@ the conversation's store, for the next turn.
              tokens (`return_token_ids`) for the next turn's check (verify.py); they are
              removed from the answer unless the client asked for them
     JSON     D's answer without kv_transfer_params, with the combined kv_stats (legs.py)
-    stream   D's events relayed as they come (stream_leg.py)
+    stream   D's events relayed as they come (stream_leg.py), with D's token ids (removed
+             unless the client asked for them): a D that breaks mid-stream has the answer
+             continued on another D (migrate.py)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from duplexkv.router.placement import OURS, with_prompt_chars
 from duplexkv.router.stream import StreamRelay
 from duplexkv.router.turn.calls import Relayed, Unreachable, WorkerCalls, no_worker
 from duplexkv.router.turn.context import Turn
+from duplexkv.router.turn.migrate import Migration, migratable
 from duplexkv.router.turn.plan import DecodeOrder
 from duplexkv.router.turn.retry import ANSWER, TRANSPORT, UNREACHABLE, Failure, Next, RetryPolicy
 from duplexkv.router.turn.stream_leg import StreamLeg
@@ -54,14 +57,16 @@ class DecodeLeg:
         self.pool, self.calls, self.policy, self.metrics = pool, calls, policy, metrics
         self.conversations = conversations
 
-    async def run(self, turn: Turn, order: DecodeOrder) -> Response:
-        """The client's answer; raises Relayed (D's error answer) or APIError 503 (no D)."""
+    async def run(self, turn: Turn, order: DecodeOrder,
+                  avoid: frozenset[Backend] = frozenset()) -> Response:
+        """The client's answer; raises Relayed (D's error answer) or APIError 503 (no D).
+        `avoid`: D's tried only when no other is left (P could not reach them)."""
         if turn.req.stream:
-            return await self._stream(turn, order)
-        return await self._json(turn, order)
+            return await self._stream(turn, order, avoid)
+        return await self._json(turn, order, avoid)
 
-    async def _json(self, turn: Turn, order: DecodeOrder) -> Response:
-        d = (opened := await self._open(turn, order, stream=False)).d
+    async def _json(self, turn: Turn, order: DecodeOrder, avoid: frozenset[Backend]) -> Response:
+        d = (opened := await self._open(turn, order, avoid, stream=False)).d
         try:
             d_json = opened.resp.json()
         except ValueError:
@@ -76,15 +81,19 @@ class DecodeLeg:
         return Response(dumps(out), media_type="application/json",
                         headers={"X-Request-Id": turn.request_id})
 
-    async def _stream(self, turn: Turn, order: DecodeOrder) -> Response:
-        d = (opened := await self._open(turn, order, stream=True)).d
+    async def _stream(self, turn: Turn, order: DecodeOrder,
+                      avoid: frozenset[Backend]) -> Response:
+        d = (opened := await self._open(turn, order, avoid, stream=True)).d
         answer = StreamedAnswer() if order.recognition is not None else None
         relay = StreamRelay(turn.stats, turn.arrival, tokens=_learns_tokens(turn, order, d),
                             strip_tokens=not _client_wants_tokens(turn),
+                            collect=migratable(turn.req.body),
                             on_choice=answer.feed if answer is not None else None)
+        migration = Migration(self.pool, self.calls, turn, relay) if relay.collecting else None
         leg = StreamLeg(turn, d, opened.resp, opened.count, relay, self.metrics,
                         partial(self._remember, turn, order, d,
-                                answer.message if answer is not None else _no_answer))
+                                answer.message if answer is not None else _no_answer),
+                        self.calls.liveness, migration)
         return SSEResponse(leg.events(), on_close=leg.close,
                            headers={"X-Request-Id": turn.request_id, "Cache-Control": "no-cache"})
 
@@ -96,25 +105,29 @@ class DecodeLeg:
                                           with_prompt_chars(params, order.prompt_chars),
                                           turn.request_id, tokens, order.key)
 
-    def _candidates(self, order: DecodeOrder) -> Iterator[Backend]:
+    def _candidates(self, order: DecodeOrder, avoid: frozenset[Backend]) -> Iterator[Backend]:
         if order.only is not None:  # decode_local: only the D that holds the history
             yield self.pool.pick(order.only)
             return
         tried: set[Backend] = set()
+        preferred = None if avoid else order.preferred_url
         for _ in range(self.policy.decode_attempts(len(self.pool.decode))):
-            d, _pref = self.pool.choose_decode(order.preferred_url, tried, order.prefill)
+            d, _pref = self.pool.choose_decode(preferred, tried | avoid, order.prefill)
+            if d is None:
+                d, _pref = self.pool.choose_decode(None, tried, order.prefill)
             if d is None:
                 return
             tried.add(d)
             yield d
 
-    async def _open(self, turn: Turn, order: DecodeOrder, stream: bool) -> Opened:
+    async def _open(self, turn: Turn, order: DecodeOrder, avoid: frozenset[Backend],
+                    stream: bool) -> Opened:
         """The first D that answers 200, under the retry policy."""
         body = decode_body(turn.req, order.params)
         last = "no decode worker is configured"
-        for d in self._candidates(order):
-            leg_body = {**body, "return_token_ids": True} if _learns_tokens(turn, order, d) \
-                else body
+        for d in self._candidates(order, avoid):
+            ids = _learns_tokens(turn, order, d) or (stream and migratable(turn.req.body))
+            leg_body = {**body, "return_token_ids": True} if ids else body
             failure = None
             with in_flight(d) as count:
                 try:

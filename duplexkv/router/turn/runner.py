@@ -6,7 +6,9 @@
                 through P; kv_stats gets the recall's state and the placement's reason
     3 legs      decode_local: the D leg alone (decode.py); if that D cannot serve, the plan
                 falls back and the turn runs through P as a miss; otherwise the P leg
-                (prefill.py), then the D leg with P's params
+                (prefill.py), then the D leg with P's params. When P could not reach the
+                conversation's D for its pull (P's decline reason: unreachable, peer_down),
+                that D is suspect (probed, liveness.py) and this turn's D leg goes elsewhere
     4 remember  D's params, for the next turn (the D leg stores them, before a stream's [DONE])
 Failures follow retry.py; calls.py says what a worker's failure does and what a client sees.
 """
@@ -34,6 +36,7 @@ from duplexkv.router.upstream import Upstream
 from duplexkv.router.warmup import PairWarmer
 
 log = logging.getLogger("duplexkv.router")
+UNREACHED = ("unreachable", "peer_down")  # P's pull declines that say D is out of its reach
 
 
 class TurnRunner:
@@ -74,7 +77,18 @@ class TurnRunner:
         prefilled = await self.prefill.run(turn, plan.entry)
         if plan.key is not None:
             self._placed(turn, "prefill_pull" if prefilled.pulled else "prefill_recompute")
-        return await self.decode.run(turn, plan.decode_order(prefilled.params, prefilled.p))
+        avoid = self._unreached(turn, plan)
+        return await self.decode.run(turn, plan.decode_order(prefilled.params, prefilled.p),
+                                     avoid)
+
+    def _unreached(self, turn: Turn, plan: TurnPlan) -> frozenset:
+        """The conversation's D when P reported it could not reach it (not this turn's D)."""
+        outcome = (turn.stats.prefill or {}).get("pull_outcome")
+        d = self.pool.decode_at(plan.entry.decode_url) if plan.entry is not None else None
+        if d is None or outcome not in UNREACHED:
+            return frozenset()
+        self.decode.calls.liveness.suspect(d, f"a prefill worker could not reach it ({outcome})")
+        return frozenset((d,))
 
     def _placed(self, turn: Turn, kind: str) -> None:
         turn.stats.placement = kind

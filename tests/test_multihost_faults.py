@@ -1,0 +1,214 @@
+"""Faults across hosts at the router's and workers' default settings (issue 30): every process in
+a network namespace of its own (duplexkv_bench/hosts), started without any timeout or health-check
+override. Each fault turn must be answered, equal to an undisturbed greedy float32 run, and at
+most ~2 s slower than a healthy turn. Needs root (CI runs as root)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from duplexkv_bench.hosts.netns import Network, can_build
+
+ok, why = can_build()
+pytestmark = pytest.mark.skipif(not ok, reason=why)
+
+ARGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "1024")
+SYSTEM = "You are a careful coding agent. Read the tool output, then answer with the next command."
+OUT = 16
+EXTRA_S = 2.5  # the issue's bound: ~2 s beyond a healthy turn
+
+
+@pytest.fixture(scope="module")
+def hosts(tiny_model_dir, tmp_path_factory):
+    from duplexkv_bench.hosts.cluster import HostCluster
+
+    with Network(["r", "s", "p0", "p1", "d0", "d1"]) as net:
+        hc = HostCluster(net, str(tiny_model_dir), tmp_path_factory.mktemp("faults"))
+        p = [hc.worker(h, f"prefill-{h}", *ARGS, "--no-enable-prefix-caching")
+             for h in ("p0", "p1")]
+        ds = [hc.worker(h, f"decode-{h}", *ARGS) for h in ("d0", "d1")]
+        hc.ready([*p, *ds])
+        r = hc.router("r", "router", p, ds)  # the defaults: no option at all
+        # the P leg on every turn (auto places short turns on D): P's decline steers D's leg
+        rp = hc.router("r", "router-prefill", p, ds, "--placement", "prefill", port=8001)
+        # conversations in Redis on host s
+        rs = hc.router("r", "router-redis", p, ds, store=hc.redis("s"), port=8002)
+        hc.ready([r, rp, rs])
+        yield net, p, ds, {"auto": r, "prefill": rp, "redis": rs}
+
+
+def user(t: int) -> dict:
+    return {"role": "user", "content": f"tool output {t}: " + "ok; " * (8 + 6 * t)}
+
+
+def chat(url: str, messages: list[dict], conv: str) -> tuple[str, dict, float]:
+    body = {"model": "tiny", "messages": messages, "max_tokens": OUT, "temperature": 0,
+            "ignore_eos": True, "conversation_id": conv}
+    t = time.perf_counter()
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    took = time.perf_counter() - t
+    assert r.status_code == 200, r.text
+    j = r.json()
+    return j["choices"][0]["message"]["content"], j["kv_stats"], took
+
+
+def decode_picks(r) -> list[int]:
+    return [w["picks"] for w in httpx.get(r.url + "/health", timeout=5).json()["decode"]]
+
+
+def next_p(r) -> str:
+    """The P host the router picks next (least loaded, then least picked)."""
+    ps = httpx.get(r.url + "/health", timeout=5).json()["prefill"]
+    return ["p0", "p1"][min(range(2), key=lambda i: (ps[i]["outstanding"], ps[i]["picks"]))]
+
+
+def streaming_d(r) -> str:
+    ds = httpx.get(r.url + "/health", timeout=5).json()["decode"]
+    busy = [h for h, w in zip(("d0", "d1"), ds) if w["outstanding"] > 0]
+    assert len(busy) == 1, ds
+    return busy[0]
+
+
+def wait_all_up(r, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        h = httpx.get(r.url + "/health", timeout=5).json()
+        if all(w["healthy"] and not w["suspect"] for role in ("prefill", "decode")
+               for w in h[role]):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"workers not up again: {h}")
+
+
+def two_turns(r, oracle, fault=None, heal=None) -> tuple[float, dict]:
+    """A conversation's second turn, with `fault(d_host)` applied to its D's host between the
+    turns -> (its time, its kv_stats)."""
+    conv, messages = f"f-{uuid.uuid4().hex[:8]}", [{"role": "system", "content": SYSTEM},
+                                                    user(1)]
+    before = decode_picks(r)
+    text, _, _ = chat(r.url, messages, conv)
+    after = decode_picks(r)
+    d = ["d0", "d1"][[a - b for a, b in zip(after, before)].index(1)]
+    messages += [{"role": "assistant", "content": text}, user(2)]
+    if fault:
+        fault(d)
+    try:
+        text, stats, took = chat(r.url, messages, conv)
+    finally:
+        if heal:
+            heal(d)
+    assert text == oracle(messages, OUT).text, "the fault turn's answer differs"
+    return took, stats
+
+
+def healthy(r, oracle) -> float:
+    return min(two_turns(r, oracle)[0] for _ in range(2))
+
+
+def fault_turn(r, oracle, what: str, fault, heal, extra_s: float = EXTRA_S) -> dict:
+    """A healthy turn, then a turn with `fault` between its turns: at most `extra_s` slower
+    -> the fault turn's kv_stats."""
+    base = healthy(r, oracle)
+    took, stats = two_turns(r, oracle, fault, heal)
+    print(f"{what}: healthy turn {base:.2f} s, fault turn {took:.2f} s")
+    assert took <= base + extra_s, f"{took:.1f} s (healthy {base:.2f} s)"
+    wait_all_up(r)
+    return stats
+
+
+@pytest.mark.parametrize("placement", ["auto", "prefill"])
+def test_link_of_the_conversations_d_cut_between_turns(hosts, oracle, placement):
+    """Finding (a): the next turn took 23.0 s at the defaults (P declined its pull in 1 s, then
+    the router sent the D leg to the same black-holed D and waited for its health checks)."""
+    net, p, ds, routers = hosts
+    stats = fault_turn(routers[placement], oracle, f"D link cut ({placement})",
+                       lambda d: net.link(d, up=False), lambda d: net.link(d, up=True))
+    if placement == "prefill":  # P said it could not reach D: the D leg went elsewhere
+        assert stats["prefill"]["pull_outcome"] in ("unreachable", "peer_down"), stats
+
+
+def test_router_d_partition_between_turns(hosts, oracle):
+    net, p, ds, routers = hosts
+    fault_turn(routers["auto"], oracle, "router<->D partition",
+               lambda d: net.partition("r", d), lambda d: net.heal("r", d))
+
+
+def test_p_host_black_holed_between_turns(hosts, oracle):
+    net, p, ds, routers = hosts
+    r, cut = routers["prefill"], []
+
+    def fault(_d):
+        cut.append(next_p(r))
+        net.link(cut[0], up=False)
+
+    fault_turn(r, oracle, "P host black-holed", fault, lambda _d: net.link(cut[0], up=True))
+
+
+def test_redis_host_black_holed_between_turns(hosts, oracle):
+    """The store's calls time out (--store-timeout 0.5 s), then its breaker serves misses."""
+    net, p, ds, routers = hosts
+    fault_turn(routers["redis"], oracle, "Redis host black-holed",
+               lambda _d: net.link("s", up=False), lambda _d: net.link("s", up=True))
+
+
+def _mid_stream(r, oracle, fault, heal=None) -> float:
+    from test_router_faults import LONG, stream_with_fault
+
+    messages = [{"role": "system", "content": SYSTEM}, user(5)]
+    hit: list[str] = []
+
+    def apply():
+        hit.append(streaming_d(r))
+        fault(hit[0])
+        return hit[0]
+
+    t = time.perf_counter()
+    stream_with_fault(r, messages, lambda: True)  # undisturbed
+    base = time.perf_counter() - t
+    t = time.perf_counter()
+    try:
+        text, usage, _, errors = stream_with_fault(r, messages, apply)
+    finally:
+        if heal and hit:
+            heal(hit[0])
+    took = time.perf_counter() - t
+    assert hit and not errors, errors
+    assert usage["completion_tokens"] == LONG, usage
+    assert text == oracle(messages, LONG).text  # token for token, as an undisturbed run
+    print(f"mid-stream fault on {hit[0]}: the stream took {took:.2f} s, undisturbed {base:.2f} s")
+    assert took <= base + EXTRA_S, f"{took:.1f} s (undisturbed {base:.2f} s)"
+    return took
+
+
+def test_d_link_cut_mid_stream(hosts, oracle):
+    net, p, ds, routers = hosts
+    r = routers["auto"]
+    _mid_stream(r, oracle, lambda d: net.link(d, up=False), lambda d: net.link(d, up=True))
+    wait_all_up(r)
+
+
+def test_router_d_partition_mid_stream(hosts, oracle):
+    net, p, ds, routers = hosts
+    r = routers["auto"]
+    _mid_stream(r, oracle, lambda d: net.partition("r", d), lambda d: net.heal("r", d))
+    wait_all_up(r)
+
+
+def test_d_link_at_1_mbit(hosts, oracle):
+    """A slow link is not a fault: the turn is answered, its extra time is what the link costs.
+    After the mid-stream cases: /health over this link is slow, and the router gives a worker
+    that answered /health slowly a longer probe timeout for the next ~30 s (liveness.py)."""
+    net, p, ds, routers = hosts
+    fault_turn(routers["prefill"], oracle, "D link at 1 Mbit/s",
+               lambda d: net.shape(d, "1mbit"), lambda d: net.shape(d, None), extra_s=5.0)
+
+
+def test_d_host_killed_mid_stream(hosts, oracle):
+    """Last: the killed D stays down for the rest of the module."""
+    net, p, ds, routers = hosts
+    r = routers["auto"]
+    _mid_stream(r, oracle, lambda d: ds[["d0", "d1"].index(d)].proc.kill())
