@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
 import jsonschema
 import pytest
-from test_router import ARGS, MODEL, bidi, start_router, tmp  # noqa: F401 - the same fixture
-from workers import start_worker, stopping
+from test_router import ARGS, MODEL, Router, bidi, start_router
+from test_router import tmp  # noqa: F401 - the same fixture
+from workers import Worker, start_worker, stopping
 
 openai = pytest.importorskip("openai")
 
@@ -40,9 +42,17 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLeng
           "required": ["answer", "sure"], "additionalProperties": False}
 
 
+@dataclass(frozen=True)
+class Cluster:
+    router: Router
+    one: Worker  # the oracle: a single worker with the same flags
+    p: Worker
+    d: Worker
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp):  # noqa: F811 - test_router's fixture
-    """(router, the single worker) — P and D behind the router, all with the same flags."""
+    """P and D behind a router (default settings) and a single worker, all with the same flags."""
     kv = bidi()
     with ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(start_worker, tiny_model_dir, tmp / f"{name}.log", *ARGS, *FLAGS,
@@ -53,7 +63,7 @@ def cluster(tiny_model_dir, tmp):  # noqa: F811 - test_router's fixture
     with stopping(p, d, one):
         with stopping(start_router(tmp / "tools-router.log", [p.url], [d.url],
                                    placement=None)) as r:
-            yield r, one, d
+            yield Cluster(r, one, p, d)
 
 
 def client(url: str) -> openai.OpenAI:
@@ -104,11 +114,10 @@ def gathered(streamed: dict) -> dict:
     return msg
 
 
-def same(cluster, messages: list[dict], stream: bool, **extra) -> tuple[dict, dict]:
+def same(cluster: Cluster, messages: list[dict], stream: bool, **extra) -> tuple[dict, dict]:
     """The router's answer, asserted equal to the single worker's -> (it, kv_stats)."""
-    router, one, _ = cluster
-    got, stats = ask(router.url, messages, stream, **extra)  # the router's, never P's params
-    want, _ = ask(one.url, messages, stream, **extra)
+    got, stats = ask(cluster.router.url, messages, stream, **extra)
+    want, _ = ask(cluster.one.url, messages, stream, **extra)
     assert no_ids(got) == no_ids(want)
     assert stats is not None
     return got, stats
@@ -181,7 +190,7 @@ def test_a_tool_using_conversation_reuses_from_turn_2(cluster, stream):
     """Calls and their results sent back, with no conversation id: from turn 2 the router
     recognises the conversation (D's answer rebuilt with its tool calls) and D reuses its KV;
     every answer equals the single worker's."""
-    _, _, d = cluster
+    d = cluster.d
     reused = d.kv()["decode_local"]["reused"]
     messages = [{"role": "system", "content": f"You call tools. {stream} " + "ok; " * 20},
                 *MESSAGES]
@@ -222,7 +231,7 @@ BAD = [  # (extra, the field the 400 names): the router's shape checks, the work
 
 @pytest.mark.parametrize("extra, param", BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)])
 def test_bad_guided_requests_are_the_workers_400_on_the_router(cluster, extra, param):
-    router, one, _ = cluster
+    router, one = cluster.router, cluster.one
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **extra}
     for url in (router.url, one.url):
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
@@ -233,10 +242,50 @@ def test_bad_guided_requests_are_the_workers_400_on_the_router(cluster, extra, p
 
 def test_a_schema_the_engine_cannot_compile_is_relayed_as_a_400(cluster):
     """Compiling a grammar needs the tokenizer: P's worker says no, the router relays it."""
-    router, one, _ = cluster
+    router, one = cluster.router, cluster.one
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4,
             "structured_outputs": {"grammar": "start: ???"}}
     answers = [httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
                for url in (router.url, one.url)]
     assert [a.status_code for a in answers] == [400, 400], [a.text for a in answers]
     assert answers[0].json()["error"]["param"] == answers[1].json()["error"]["param"]
+
+
+ODD = [  # shapes the router lets through: what the workers make of them, never a 5xx
+    {"structured_outputs": {"regex": "("}},
+    {"structured_outputs": {"json": "{not json"}},
+    {"structured_outputs": {"choice": []}},
+    {"structured_outputs": {"grammar": ""}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}},
+    {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False},
+]
+
+
+@pytest.mark.parametrize("extra", ODD, ids=[f"odd-{i}" for i in range(len(ODD))])
+def test_odd_guided_requests_get_the_single_workers_status(cluster, extra):
+    router, one = cluster.router, cluster.one
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **extra}
+    got, want = (httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+                 for url in (router.url, one.url))
+    assert got.status_code == want.status_code and got.status_code < 500, (got.text, want.text)
+    if got.status_code == 400:
+        assert got.json()["error"]["param"] == want.json()["error"]["param"]
+
+
+def test_through_p_a_tool_conversation_pulls_its_history(cluster, tmp):  # noqa: F811
+    """--placement prefill: P reads the recognised history from D, then computes the first token
+    under the forced tool choice; the answers still equal the single worker's."""
+    with stopping(start_router(tmp / "tools-router-prefill.log", [cluster.p.url],
+                               [cluster.d.url])) as r:
+        messages = [{"role": "system", "content": "Pulled tools. " + "ok; " * 30}, *MESSAGES]
+        for t, choice in enumerate(["required", NAMED]):
+            prefilled = Cluster(r, cluster.one, cluster.p, cluster.d)
+            got, stats = same(prefilled, messages, t == 1, tools=TOOLS, tool_choice=choice)
+            if t:
+                assert stats["recognised"] is True, stats
+                assert stats["prefill"]["pull_outcome"] == "pulled", stats
+            answer = as_history(got, t == 1)
+            messages += [answer, *({"role": "tool", "tool_call_id": c["id"], "content": "ok"}
+                                   for c in answer["tool_calls"])]
