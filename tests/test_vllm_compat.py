@@ -115,7 +115,7 @@ def test_tools_and_chat_template_kwargs_reach_the_template(workers, router, hf_t
 
 
 # guided decoding: the workers honour these (tests/test_structured_output.py,
-# tests/test_tool_calls.py), the router not yet: a 400 there, naming the field
+# tests/test_tool_calls.py) and the router passes them on to both legs (tests/test_router_tools.py)
 GUIDED = [
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
@@ -161,13 +161,11 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(workers, router, extr
 
 @pytest.mark.parametrize("extra, param", GUIDED, ids=[g[1] + f"-{i}" for i, g in
                                                      enumerate(GUIDED)])
-def test_guided_decoding_on_workers_is_a_400_on_the_router(workers, router, extra, param):
+def test_guided_decoding_is_served_by_workers_and_router_alike(workers, router, extra, param):
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, **extra}
-    r = post(workers[1].url, "/v1/chat/completions", body, WKEY)
-    assert r.status_code == 200, r.text
-    r = post(router.url, "/v1/chat/completions", body, RKEY)
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == param
+    for what, url, key in targets(workers, router):
+        r = post(url, "/v1/chat/completions", body, key)
+        assert r.status_code == 200, (what, param, r.text)
 
 
 def test_no_op_values_of_unsupported_features_are_accepted(workers, router):
@@ -178,9 +176,10 @@ def test_no_op_values_of_unsupported_features_are_accepted(workers, router):
     for what, url, key in targets(workers, router):
         r = post(url, "/v1/chat/completions", body, key)
         assert r.status_code == 200, (what, r.text)
-    r = post(router.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
-                                             "response_format": {"type": "json_object"}}, RKEY)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    for what, url, key in targets(workers, router):  # guided completions: passed on alike
+        r = post(url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                          "response_format": {"type": "json_object"}}, key)
+        assert r.status_code == 200, (what, r.text)
 
 
 def test_unknown_fields_are_logged_once_per_name(workers, router):

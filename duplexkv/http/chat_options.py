@@ -9,7 +9,7 @@ accepted:
   model's text comes back as it is, as vLLM does with "none".
 - "auto" (also the default when tools are given, as in vLLM) needs the model's tool calls parsed out
   of its text: a worker started with `--enable-auto-tool-choice --tool-call-parser` does it
-  (server/tool_parser.py); without those flags (and on the router) it is a 400 naming
+  (server/tool_parser.py; the router passes it on to them); without those flags it is a 400 naming
   `tool_choice`, as in vLLM, rather than an answer whose tool calls are left in `content`.
 - "required" or a named function force a call by guided decoding (`Features.structured`: the
   workers; http/tool_schema.py makes the grammar).

@@ -1,6 +1,9 @@
 """What a server honours beyond plain generation, so that one request parser
-(`duplexkv.http.openai`) serves a worker with its flags and the router (which honours none of
-these yet: a request using them is a 400 there, naming the field).
+(`duplexkv.http.openai`) serves a worker with its flags and the router. The router honours them
+all by passing them on (`ROUTER`): it checks their shapes alone (nothing here needs a tokenizer)
+and forwards them unchanged to both legs, where the workers compile the grammar and parse the tool
+calls; tool_choice "auto" on workers started without --enable-auto-tool-choice is their 400,
+relayed as it is.
 """
 
 from __future__ import annotations
@@ -18,5 +21,6 @@ class Features:
 
 
 NONE = Features()
+ROUTER = Features(structured=True, auto_tools=True)
 
-__all__ = ["Features", "NONE"]
+__all__ = ["Features", "NONE", "ROUTER"]

@@ -95,7 +95,7 @@ class _Fields:
 
 def parse_request(body: dict, kind: Kind, features: Features = NONE) -> GenerateRequest:
     """`features`: what the caller honours beyond plain generation (a worker's flags; the
-    router's default honours none of them)."""
+    router passes them all on: `features.ROUTER`)."""
     f = _Fields(body)
     reject_unsupported(body, features)
     unknown_fields.note(body, kind)

@@ -2,7 +2,10 @@
 
 The router rejects only what it can tell without a tokenizer, with the worker's own messages
 (`duplexkv.http.openai`), so a client sees the same 400 with or without the router; anything
-else goes to the workers, whose 4xx are relayed as they are. `conversation_id` and any
+else goes to the workers, whose 4xx are relayed as they are. Guided decoding and tool calls
+(`response_format`, `structured_outputs`, `tools`, `tool_choice`) are checked for shape only and
+forwarded unchanged to both legs: whether a schema compiles, and whether D parses tool calls
+(tool_choice "auto"), is the workers' to say. `conversation_id` and any
 `kv_transfer_params` are taken out of the body here: the router owns `kv_transfer_params`.
 
 Before any of that the body must be strict JSON the router can pass on (issue 10): no NaN or
@@ -23,6 +26,7 @@ from typing import Any, Literal
 
 from duplexkv.http.body import DEFAULT_MAX_JSON_DEPTH, parse_json
 from duplexkv.http.errors import bad_request
+from duplexkv.http.features import ROUTER
 from duplexkv.http.openai import parse_request
 from duplexkv.http.request_id import clean_request_id
 
@@ -65,7 +69,9 @@ def parse_client_request(raw: bytes, headers: Mapping[str, str], kind: Kind,
     unlinked = body.get("conversation_id") == ""
     conv = _conversation_id(body.pop("conversation_id", None), headers)
     body.pop("kv_transfer_params", None)  # never trusted from a client
-    parse_request(body, kind)  # the worker's own validation: the same 400s with or without us
+    # the worker's own validation: the same 400s with or without us; tools, tool_choice,
+    # response_format and structured_outputs are checked for shape and passed on as they are
+    parse_request(body, kind, ROUTER)
     return ClientRequest(kind, body, body.get("stream") is True, body.get("model"), conv,
                          api_key, clean_request_id(headers.get("x-request-id")),
                          unlinked and conv is None)
