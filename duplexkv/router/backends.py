@@ -205,6 +205,11 @@ class BackendPool:
         sound = [b for b in healthy if not b.suspect]
         return [b for b in sound if b.warm] or sound or healthy or left
 
+    def has_alternative(self, b: Backend) -> bool:
+        """Whether another healthy worker of b's role could take its legs."""
+        return any(o is not b and o.healthy for o in (self.prefill if b.role == "prefill"
+                                                       else self.decode))
+
     def choose_prefill(self, exclude: set[Backend] = frozenset()) -> Backend | None:
         return self.pick(self._least_loaded(self._candidates(self.prefill, exclude)))
 

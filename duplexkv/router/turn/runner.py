@@ -24,6 +24,7 @@ from duplexkv.router.backends import BackendPool
 from duplexkv.router.config import RouterConfig
 from duplexkv.router.conversation.recall import Conversations
 from duplexkv.router.conversation.recognise import recognition_of
+from duplexkv.router.liveness import Liveness
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.turn.calls import WorkerCalls
 from duplexkv.router.turn.context import Turn
@@ -45,7 +46,8 @@ class TurnRunner:
                  warmer: PairWarmer | None = None, policy: RetryPolicy = RetryPolicy()) -> None:
         self.cfg, self.pool, self.conversations, self.metrics = cfg, pool, conversations, metrics
         self.policy = policy
-        calls = WorkerCalls(upstream, metrics, cfg.worker_headers())
+        calls = WorkerCalls(upstream, metrics, cfg.worker_headers(),
+                            Liveness(upstream.client, alternative=pool.has_alternative))
         check = TokenCheck(calls, pool, metrics, cfg.kv_recompute_threshold)
         self.prefill = PrefillLeg(pool, calls, policy, metrics, check, warmer,
                                   cfg.rewrite_remote_host)
