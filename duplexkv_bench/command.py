@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 
 from duplexkv import config_file
 from duplexkv_bench import multiturn
@@ -38,6 +39,10 @@ SCRIPTS = {
 
 
 def run_script(name: str, argv: list[str]) -> int:
+    # SIGTERM (kill, a job's timeout) as Ctrl-C, so the script's `finally` stops what it started
+    # with Proc.stop (SIGTERM, then SIGKILL). The launcher's parent-death signal alone is one
+    # SIGTERM: vLLM's servers (NIXL) were seen still running a minute after it
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     code = importlib.import_module(f"duplexkv_bench.{name}").main(argv)
     return code if isinstance(code, int) else 0
 

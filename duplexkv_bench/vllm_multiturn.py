@@ -2,9 +2,10 @@
 
     duplexkv bench vllm_multiturn [--proxy PATH/disagg_proxy_multiturn.py] [--model bench]
         [--max-context 8192] [--conversations 2] [--answer-tokens 32 64] [--no-plugin]
-        [--json FILE]
+        [--bind cores|none] [--json FILE]
 
-vLLM P (core 0, no prefix cache) and D (core 1), NixlConnector with `bidirectional_kv_xfer`,
+vLLM P (core 0, no prefix cache) and D (core 1; `--bind none`: vLLM's `nobind`, both on every
+core, for hosts where a pinned NIXL progress thread starves the core's kernel work), NixlConnector with `bidirectional_kv_xfer`,
 float32 (greedy answers compare exactly), duplexkv's vLLM plugin (`--no-plugin`: stock 0.32,
 whose streams carry no params). After the run they stop and a single vLLM server answers every
 recorded turn as the oracle. The front-ends, in turn on every turn (order rotating per turn):
@@ -78,6 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threshold", type=int, default=64, help="vLLM's kv_recompute_threshold")
     ap.add_argument("--no-plugin", action="store_true", help="stock vLLM: no duplexkv plugin")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bind", choices=["cores", "none"], default="cores",
+                    help="cores: P's OpenMP threads on core 0, D's on core 1 (vLLM's binding); "
+                    "none: vLLM's `nobind`, the scheduler places every thread")
     ap.add_argument("--modes", nargs="+", action=Accumulate, default=["off", "proxy", "on"],
                     choices=["off", "proxy", "on"])
     ap.add_argument("--json", type=Path)
@@ -116,10 +120,11 @@ class Bench:
             "bidirectional_kv_xfer": True, "kv_recompute_threshold": a.threshold}})
         env = {"VLLM_PLUGINS": ""} if a.no_plugin else {}
         max_len = self.max_model_len()
+        p_cores, d_cores = ("0", "1") if a.bind == "cores" else ("nobind", "nobind")
         specs = {  # name -> (cores, extra args, env)
-            "prefill": ("0", ("--no-enable-prefix-caching", "--kv-transfer-config", kv),
+            "prefill": (p_cores, ("--no-enable-prefix-caching", "--kv-transfer-config", kv),
                         {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(vllm_venv.free_port())}),
-            "decode": ("1", ("--kv-transfer-config", kv),
+            "decode": (d_cores, ("--kv-transfer-config", kv),
                        {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(vllm_venv.free_port())}),
         }
         with ThreadPoolExecutor(len(specs)) as ex:

@@ -40,3 +40,8 @@ def test_p_and_d_get_their_kv_config_and_the_oracle_none():
                        ("--kv-transfer-config", "{}"), "bench")
     assert cmd[-2:] == ["--kv-transfer-config", "{}"] and "--no-enable-prefix-caching" not in cmd
     assert cmd[cmd.index("--served-model-name") + 1] == "bench"
+
+
+def test_bind_none_leaves_vllms_threads_to_the_scheduler():
+    assert vm.parse_args([]).bind == "cores"
+    assert vm.parse_args(["--bind", "none"]).bind == "none"
