@@ -1,9 +1,17 @@
 """`--dtype`: which floating-point type the weights, activations and KV pool use.
 
-`auto` (the default) picks bfloat16 where the CPU computes it natively (AMX or AVX512-BF16 on x86,
-the `bf16` feature on Arm) and float32 elsewhere: without native support every bfloat16 matmul is
-converted in software and runs ~3x slower than float32 (Ice Lake, prefill of 2k tokens: 2.29 s in
-bfloat16 vs 0.81 s in float32). The choice is a pure function of the CPU's feature flags
+`auto` (the default) picks bfloat16 where it is faster than float32 on the CPU, and float32
+elsewhere. Measured, per kind of CPU:
+- AMX (`amx_bf16`, Sapphire Rapids and later): bfloat16. Intel Xeon, 2 cores, bench preset, 2k-token
+  prefill: 0.82-2.65 s in bfloat16 vs 4.5-5.8 s in float32 (four interleaved runs, loaded machine).
+- AVX-512 with `avx512_bf16` but no AMX (Cooper Lake, Zen 4): float32. Its bfloat16 is native dot
+  products only: a 2048^3 torch matmul on 2 threads ran 90 GFLOP/s in bfloat16 vs 195 in float32,
+  and the engine's bfloat16 was 1.15x (2k prefill) to 1.9x (decode) slower than its float32
+  (Intel Xeon with avx512_bf16 and avx512_fp16, no AMX, 2 cores; issue 31's table).
+- No native bfloat16 (AVX2, Ice Lake): float32. Every bfloat16 matmul is converted in software,
+  ~3x slower (Ice Lake, 2k prefill: 2.29 s in bfloat16 vs 0.81 s in float32).
+- Arm with the `bf16` feature (BFMMLA, Graviton 3): bfloat16 (not measured here).
+An explicit `--dtype bfloat16` is honoured anywhere. The choice is a pure function of the CPU's feature flags
 (`resolve_dtype`), so it is tested for both kinds of CPU on any machine; `read_cpu_flags` reads
 them from /proc/cpuinfo (or $DUPLEXKV_CPUINFO, a file in the same format, to try another CPU's
 flags), falling back to PyTorch's own CPU probes where that file does not exist.
@@ -24,6 +32,8 @@ DTYPE_CHOICES = DTYPES + tuple(ALIASES)
 CPUINFO_ENV = "DUPLEXKV_CPUINFO"
 # the flags that prove native bfloat16 arithmetic, strongest first (x86 AMX, x86 AVX-512, Arm)
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+# those whose bfloat16 is faster than float32 (the module's docstring: measured), for `auto`
+FAST_BF16_FLAGS = ("amx_bf16", "bf16")
 NATIVE_FP16_FLAGS = frozenset(("amx_fp16", "avx512_fp16", "fphp"))
 
 
@@ -69,9 +79,14 @@ def resolve_dtype(requested: str, flags: frozenset[str] | None) -> DtypeChoice:
     if flags is None:
         return DtypeChoice("float32", "auto: the CPU's flags are unknown, so float32 (safe and "
                                       "fast everywhere)")
-    flag = native_bf16_flag(flags)
-    if flag is not None:
-        return DtypeChoice("bfloat16", f"auto: the CPU computes bfloat16 natively ({flag})")
+    fast = next((f for f in FAST_BF16_FLAGS if f in flags), None)
+    if fast is not None:
+        return DtypeChoice("bfloat16", f"auto: the CPU computes bfloat16 natively ({fast}), "
+                                       "faster than float32")
+    if native_bf16_flag(flags) is not None:
+        return DtypeChoice("float32", "auto: native bfloat16 here is avx512_bf16 without AMX, "
+                                      "measured slower than float32 (a 2048^3 matmul: 90 vs 195 "
+                                      "GFLOP/s on 2 cores), so float32")
     return DtypeChoice("float32", "auto: no native bfloat16 on this CPU (none of "
                                   f"{', '.join(NATIVE_BF16_FLAGS)}), so float32 (bfloat16 would "
                                   "be emulated, ~3x slower)")
