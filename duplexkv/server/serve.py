@@ -55,8 +55,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "holding one")
     p.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"])
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=_DEFAULTS["dtype"],
-                   help="auto (default): bfloat16 where the CPU computes it natively (AMX, "
-                        "AVX512-BF16), else float32; half = float16, float = float32")
+                   help="auto (default): bfloat16 where it is faster than float32 (AMX, Arm "
+                        "bf16), else float32; half = float16, float = float32")
     p.add_argument("--max-model-len", type=int, default=None)
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--num-kv-blocks", type=int, default=None)
