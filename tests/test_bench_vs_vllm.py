@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from duplexkv_bench import vs_vllm
+from duplexkv_bench import machine_limits, vs_vllm
+from duplexkv_bench.machine_limits import Limits, Shape
 from duplexkv_bench.vllm_venv import vllm_command
 
 
@@ -43,3 +44,36 @@ def test_vllm_gets_the_same_limits_as_our_worker(tmp_path):
                         ("--max-num-batched-tokens", "17000"), ("--host", "127.0.0.1")]:
         assert cmd[cmd.index(flag) + 1] == value
     assert "--no-enable-prefix-caching" in cmd and "--enforce-eager" in cmd
+
+
+BENCH = {"num_hidden_layers": 8, "hidden_size": 512, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 1536, "vocab_size": 32000}
+
+
+def test_useful_work_of_a_prefill_and_a_decode_step():
+    shape = Shape.from_config(BENCH)
+    per_layer = 2 * 512 * 512 + 2 * 512 * 128 + 3 * 512 * 1536  # q, o; k, v; gate, up, down
+    assert shape.layer_weights() == per_layer
+    t = 2048
+    assert shape.prefill_flops(t) == (2 * 8 * per_layer * t + 4 * 8 * 8 * 64 * t * (t + 1) / 2
+                                      + 2 * 512 * 32000)
+    weights = (8 * per_layer + 512 * 32000) * 4
+    assert shape.decode_bytes(4096, 8, "float32") == weights + 2 * 8 * 2 * 64 * 4096 * 8 * 4
+    assert shape.decode_bytes(4096, 1, "bfloat16") == (weights + 2 * 8 * 2 * 64 * 4096 * 4) / 2
+
+
+def test_table_gives_each_sides_share_of_the_machines_limit():
+    shape = Shape.from_config(BENCH)
+    limits = Limits(gemm_gflops=100.0, read_gbs=10.0, dtype="float32")
+    flops = shape.prefill_flops(2048)
+    step = shape.decode_bytes(4096, 8, "float32")
+    vllm = {"ttft 2048": flops / 50e9, "tpot 4096 x8": step / 8e9}  # 50 % and 80 %
+    ours = {"ttft 2048": flops / 70e9, "tpot 4096 x8": step / 9e9}  # 70 % and 90 %
+    rows = vs_vllm.table(vllm, ours, limits, shape).splitlines()
+    assert rows[0].endswith("vLLM, of the limit | duplexkv, of the limit |")
+    assert rows[2].endswith("| 50% | 70% |") and rows[3].endswith("| 80% | 90% |")
+
+
+def test_the_machines_limits_are_measured():
+    assert machine_limits.gemm_gflops("float32", n=256, reps=2) > 0.1
+    assert machine_limits.read_gbs(nbytes=16 << 20, reps=2) > 0.1

@@ -2,8 +2,10 @@
 
 `auto` (the default) picks bfloat16 where it is faster than float32 on the CPU, and float32
 elsewhere. Measured, per kind of CPU:
-- AMX (`amx_bf16`, Sapphire Rapids and later): bfloat16. Intel Xeon, 2 cores, bench preset, 2k-token
-  prefill: 0.82-2.65 s in bfloat16 vs 4.5-5.8 s in float32 (four interleaved runs, loaded machine).
+- AMX (`amx_bf16`, Sapphire Rapids and later): bfloat16. Intel Xeon, 2 cores: a 2048^3 torch
+  matmul ran 444 GFLOP/s in bfloat16 vs 231 in float32; bench preset, 2k-token prefill: 0.82-2.65 s
+  in bfloat16 vs 4.5-5.8 s in float32 (four interleaved runs, loaded machine). Decode has native
+  kernels in float32 only so far (issue 31), so a decode-heavy load may still run faster in float32.
 - AVX-512 with `avx512_bf16` but no AMX (Cooper Lake, Zen 4): float32. Its bfloat16 is native dot
   products only: a 2048^3 torch matmul on 2 threads ran 90 GFLOP/s in bfloat16 vs 195 in float32,
   and the engine's bfloat16 was 1.15x (2k prefill) to 1.9x (decode) slower than its float32

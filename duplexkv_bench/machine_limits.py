@@ -1,0 +1,144 @@
+"""The machine a benchmark runs on: its CPU line and load for the headers, and what it can do,
+measured in the same run, with the share of it a server's figure reaches.
+
+    GEMM rate      best of `reps` square torch matmuls (n = 2048) in the dtype, on this process's
+                   threads: GFLOP/s. Prefill is matmul-bound, so a prefill's useful FLOPs over its
+                   TTFT, divided by this rate, is how close it runs to the machine's limit.
+    read bandwidth best of `reps` sums of a 1 GiB float32 tensor: GB/s. A decode step must read
+                   every weight once and the KV of every sequence of the batch, so those bytes over
+                   the step's time, divided by this bandwidth, is how close decode runs to the
+                   bandwidth floor.
+
+Useful work counts what the model needs, not what a kernel happens to do (a decoder with
+grouped-query attention, the Qwen3/Llama shape of `config.json`):
+
+    prefill FLOPs  2 x (the layers' linear weights) x tokens + causal attention
+                   (4 x heads x head_dim x T(T+1)/2 per layer) + the LM head for the last token
+    decode bytes   (the layers' linear weights + the LM head) x dtype bytes
+                   + 2 (K and V) x layers x kv_heads x head_dim x context x batch x dtype bytes
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from duplexkv.engine.dtype import cpu_bf16_status, read_cpu_flags
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """The sizes of a decoder that decide its FLOPs and bytes."""
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> Shape:
+        heads = int(cfg["num_attention_heads"])
+        return cls(int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), heads,
+                   int(cfg.get("num_key_value_heads", heads)),
+                   int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+                   int(cfg["intermediate_size"]), int(cfg["vocab_size"]))
+
+    def layer_weights(self) -> int:
+        """Elements of one layer's linear weights: q, k, v, o and the gated MLP."""
+        q = self.hidden * self.heads * self.head_dim
+        kv = 2 * self.hidden * self.kv_heads * self.head_dim
+        return 2 * q + kv + 3 * self.hidden * self.intermediate
+
+    def prefill_flops(self, tokens: int) -> float:
+        linear = 2.0 * self.layers * self.layer_weights() * tokens
+        attention = 4.0 * self.layers * self.heads * self.head_dim * tokens * (tokens + 1) / 2
+        return linear + attention + 2.0 * self.hidden * self.vocab
+
+    def decode_bytes(self, context: int, batch: int, dtype: str) -> float:
+        size = DTYPE_BYTES[dtype]
+        weights = (self.layers * self.layer_weights() + self.hidden * self.vocab) * size
+        kv = 2.0 * self.layers * self.kv_heads * self.head_dim * context * batch * size
+        return weights + kv
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    gemm_gflops: float  # in the benchmark's dtype
+    read_gbs: float
+    dtype: str
+
+    def prefill_share(self, shape: Shape, tokens: int, ttft_s: float) -> float:
+        return shape.prefill_flops(tokens) / ttft_s / (self.gemm_gflops * 1e9)
+
+    def decode_share(self, shape: Shape, context: int, batch: int, tpot_s: float) -> float:
+        return shape.decode_bytes(context, batch, self.dtype) / tpot_s / (self.read_gbs * 1e9)
+
+    def describe(self) -> str:
+        return (f"machine limits: {self.dtype} matmul {self.gemm_gflops:.0f} GFLOP/s, "
+                f"read bandwidth {self.read_gbs:.1f} GB/s")
+
+
+def gemm_gflops(dtype: str, n: int = 2048, reps: int = 5) -> float:
+    import torch
+
+    t = getattr(torch, dtype)
+    a, b = torch.randn(n, n).to(t), torch.randn(n, n).to(t)
+    torch.matmul(a, b)  # warm-up (oneDNN's first call plans the kernel)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best / 1e9
+
+
+def read_gbs(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    import torch
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def measure(dtype: str) -> Limits:
+    return Limits(gemm_gflops(dtype), read_gbs(), dtype)
+
+
+def busy_fraction(seconds: float = 3.0) -> float:
+    """Share of the machine's CPU time that was not idle over the next `seconds`."""
+    def sample() -> tuple[int, int]:
+        vals = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        return sum(vals), vals[3] + vals[4]  # total, idle + iowait
+
+    t0, i0 = sample()
+    time.sleep(seconds)
+    t1, i1 = sample()
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
+def cpu_line() -> str:
+    flags = read_cpu_flags() or frozenset()
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
+                  .splitlines() if ln.startswith("model name")), platform.processor()) \
+        if Path("/proc/cpuinfo").exists() else platform.processor()
+    return f"CPU {model}, {os.cpu_count()} cores, {' '.join(simd)}; {cpu_bf16_status(flags)}"
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
