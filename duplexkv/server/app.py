@@ -2,6 +2,7 @@
 /debug/engine.
 
     POST /v1/completions, /v1/chat/completions   (serving.OpenAIServing)
+    POST /v1/messages    Anthropic's Messages API, run as a chat request (http/messages.py)
     POST /tokenize, /detokenize                  (tokenize, vLLM's shapes)
     GET  /v1/models, /version, /health, /metrics, /debug/engine
 
@@ -25,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from duplexkv.engine.async_engine import AsyncEngine
-from duplexkv.http import debug_memory
+from duplexkv.http import debug_memory, messages
 from duplexkv.http.auth import APIKeyAuth
 from duplexkv.http.errors import APIError, bad_request, engine_unavailable, internal_error
 from duplexkv.http.version import version_endpoint
@@ -98,6 +99,10 @@ def build_app(aeng: AsyncEngine, served_model_names: str | Sequence[str],
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.handle(request, "chat")
+
+    @app.post(messages.PATH)
+    async def anthropic_messages(request: Request) -> Response:
+        return messages.as_message(await serving.handle(request, "chat", messages.to_chat))
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -1,0 +1,122 @@
+"""`POST /v1/messages` at the HTTP edge, shared by the worker and the router: both run the
+request as a chat request (`to_chat`, wire/messages_api.py) and hand the chat answer they made
+(a Response, JSON or SSE) to `as_message`, which answers in Anthropic's shapes
+(wire/messages_answer.py):
+
+    200 JSON    the chat answer -> a Message
+    200 SSE     the chat stream's events, as they come -> Anthropic's events (the chat stream's
+                cleanup, its `on_close`, still runs once, whoever ends the stream)
+    an error    any status, any body (ours in OpenAI's shape, a worker's relayed by the router)
+                -> {"type": "error", "error": {"type", "message"}} with the same status, which
+                the anthropic SDK reads
+`error_response` is the same shape for an APIError raised before the chat path runs.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import AsyncIterator
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from duplexkv.http.errors import APIError
+from duplexkv.http.sse import SSEResponse
+from duplexkv.wire.messages_answer import MessageStream, error_body, message_of
+from duplexkv.wire.messages_api import MessagesError, chat_request
+
+PATH = "/v1/messages"
+_PASSED_HEADERS = ("x-request-id",)
+
+
+def to_chat(body: dict) -> dict:
+    """A Messages body -> the chat body that runs it; a 400 (APIError) naming the field."""
+    try:
+        return chat_request(body)
+    except MessagesError as e:
+        raise APIError(400, e.message, param=e.param) from None
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+
+
+def _headers(resp: Response) -> dict[str, str]:
+    return {k: v for k, v in resp.headers.items() if k.lower() in _PASSED_HEADERS}
+
+
+def _error_message(raw: bytes) -> str:
+    """The message of an error body in OpenAI's shape (else the body's text, cut)."""
+    try:
+        body = json.loads(raw)
+        message = body["error"]["message"]
+        if isinstance(message, str):
+            return message
+    except (ValueError, TypeError, KeyError):
+        pass
+    return raw.decode("utf-8", "replace")[:500] or "error"
+
+
+def as_message(resp: Response, model: str | None = None) -> Response:
+    """A chat endpoint's answer -> the Messages API's (module docstring)."""
+    headers = _headers(resp)
+    if isinstance(resp, StreamingResponse):
+        on_close = resp.on_close if isinstance(resp, SSEResponse) else _nothing
+        return SSEResponse(_events(resp.body_iterator, MessageStream(model or "")), on_close,
+                           headers={**headers, "Cache-Control": "no-cache"})
+    raw = bytes(resp.body)
+    if resp.status_code != 200:
+        return error_response(resp.status_code, _error_message(raw), headers)
+    try:
+        chat = json.loads(raw)
+    except ValueError:
+        return error_response(502, "the chat answer is not JSON", headers)
+    return JSONResponse(message_of(chat, model), headers=headers)
+
+
+async def _nothing() -> None:
+    return None
+
+
+async def _events(chunks: AsyncIterator[str | bytes], stream: MessageStream
+                  ) -> AsyncIterator[str]:
+    """The chat stream's SSE text -> Anthropic's events; the chat stream is closed on the way
+    out (whatever ends this one)."""
+    buf, utf8 = "", codecs.getincrementaldecoder("utf-8")("replace")
+    try:
+        async for chunk in chunks:
+            buf += utf8.decode(chunk) if isinstance(chunk, bytes) else chunk
+            while "\n\n" in buf:
+                raw, buf = buf.split("\n\n", 1)
+                for line in _translate(raw, stream):
+                    yield line
+        for line in _translate(buf, stream) if buf.strip() else ():
+            yield line
+        for line in stream.done():
+            yield line
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
+def _translate(raw: str, stream: MessageStream) -> list[str]:
+    data = "".join(line[5:].strip() for line in raw.replace("\r", "").split("\n")
+                   if line.startswith("data:"))
+    if not data:
+        return []
+    if data == "[DONE]":
+        return stream.done()
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return []
+    if not isinstance(obj, dict):
+        return []
+    if isinstance(obj.get("error"), dict):
+        err = obj["error"]
+        code = err.get("code")
+        status = code if isinstance(code, int) and 400 <= code < 600 else 500
+        return stream.error(status, str(err.get("message") or "error"))
+    return stream.feed(obj)
+
+
+__all__ = ["PATH", "as_message", "error_response", "to_chat"]
