@@ -2,6 +2,8 @@
 layer, so the hot path stays short).
 
     POST /v1/chat/completions, /v1/completions   a turn: one P leg + one D leg (turn/runner.py)
+    POST /v1/messages  Anthropic's Messages API: run as a chat turn, answered in its shapes
+                       (http/messages.py); recognised from its messages like any chat turn
     GET  /v1/models    the workers' models (from the first healthy worker that answers)
     GET  /health       per-backend state; 503 while no P or no D is healthy; status "degraded"
                        (200) while the conversation store is failing (turns run as misses);
@@ -30,7 +32,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from duplexkv.http import debug_memory
+from duplexkv.http import debug_memory, messages
 from duplexkv.http.auth import APIKeyAuth, api_key_of
 from duplexkv.http.body import read_body
 from duplexkv.http.errors import APIError, model_not_found
@@ -101,13 +103,13 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
             await upstream.aclose()
             await store.close()
 
-    async def generate(request: Request, kind: Kind) -> Response:
+    async def generate(request: Request, kind: Kind, translate=None) -> Response:
         arrival = time.perf_counter()
         turns: TurnRunner = state["turns"]
         try:
             raw = await read_body(request, cfg.max_request_bytes)
             req = parse_client_request(raw, request.headers, kind, cfg.max_json_depth,
-                                       api_key_of(request.scope))
+                                       api_key_of(request.scope), translate)
             models = pool.models()
             if req.model is not None and models and req.model not in models:
                 raise model_not_found(req.model)
@@ -132,6 +134,9 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
 
     async def completions(request: Request) -> Response:
         return await generate(request, "completion")
+
+    async def anthropic_messages(request: Request) -> Response:
+        return messages.as_message(await generate(request, "chat", messages.to_chat))
 
     async def models(_: Request) -> Response:
         client = state["upstream"].client
@@ -180,6 +185,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
 
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
+              Route(messages.PATH, anthropic_messages, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", prometheus, methods=["GET"]),
