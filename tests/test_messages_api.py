@@ -143,6 +143,14 @@ def test_an_answer_becomes_a_message_the_sdk_parses():
     assert (m.usage.input_tokens, m.usage.cache_read_input_tokens,
             m.usage.output_tokens) == (14, 16, 7)
     assert m.model_extra["kv_stats"] == {"local_hit_tokens": 16}
+    # the tokens computed for the request, where kv_stats say: a worker's, the router's legs'
+    for stats, want in (({"computed_tokens": 3}, (3, 27)),
+                        ({"prefill": {"computed_tokens": 5}, "decode": {"computed_tokens": 1}},
+                         (6, 24)),
+                        ({"prefill": None, "decode": {"computed_tokens": 40}}, (30, 0))):
+        usage = message_of({**chat_answer({"role": "assistant", "content": "x"}, "stop"),
+                            "kv_stats": stats})["usage"]
+        assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == want, stats
     for finish, stop, want in (("length", None, ("max_tokens", None)),
                                ("stop", "END", ("stop_sequence", "END")),
                                ("stop", None, ("end_turn", None)), ("stop", 2, ("end_turn", None))):

@@ -12,9 +12,11 @@ share it, messages_api.py makes the request):
 
     finish_reason "tool_calls" (or a named call's "stop") -> "tool_use"; "length" ->
     "max_tokens"; "stop" with a stop string -> "stop_sequence" (and the string); else "end_turn"
-    usage   input_tokens: the prompt's tokens not read from the cache; cache_read_input_tokens:
-            the ones reused (prompt_tokens_details.cached_tokens); output_tokens. A stream's
-            message_start knows no counts yet (0): its message_delta carries them all.
+    usage   input_tokens: the prompt tokens computed for this request (kv_stats: a worker's
+            computed_tokens, on the router P's plus D's), cache_read_input_tokens: the rest of
+            the prompt, reused (without kv_stats: prompt_tokens_details.cached_tokens);
+            output_tokens. A stream's message_start knows no counts yet (0): its message_delta
+            carries them all.
 A tool call's arguments that are not a JSON object (a forced call cut by max_tokens) come back
 as text. Tool call ids are the chat answer's (a client sending them back as tool_use blocks
 rebuilds the chat history the router recognises). Our `kv_stats` rides along: on the message,
@@ -56,13 +58,35 @@ def stop_of(finish: Any, stop_reason: Any, tool_use: bool) -> tuple[str, str | N
     return "end_turn", None
 
 
-def usage_of(usage: Any) -> dict:
+def _count(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
+def computed_tokens(kv_stats: Any) -> int | None:
+    """The prompt tokens computed for this request: a worker's `computed_tokens`, or on the
+    router the sum of its legs' (P's prefill, D's suffix); None when not reported."""
+    if not isinstance(kv_stats, dict):
+        return None
+    if "computed_tokens" in kv_stats:
+        return _count(kv_stats["computed_tokens"])
+    legs = [kv_stats.get(k) for k in ("prefill", "decode")]
+    legs = [leg for leg in legs if isinstance(leg, dict) and "computed_tokens" in leg]
+    return sum(_count(leg["computed_tokens"]) for leg in legs) if legs else None
+
+
+def usage_of(usage: Any, kv_stats: Any = None) -> dict:
+    """input_tokens: the prompt tokens computed for this request (kv_stats), else those the
+    answering worker did not find cached; cache_read_input_tokens: the rest of the prompt."""
     usage = usage if isinstance(usage, dict) else {}
-    prompt, out = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
+    prompt, out = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
     details = usage.get("prompt_tokens_details")
-    cached = (details.get("cached_tokens") if isinstance(details, dict) else 0) or 0
-    return {"input_tokens": max(0, prompt - cached), "output_tokens": out,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+    computed = computed_tokens(kv_stats)
+    if computed is None:
+        computed = prompt - _count(details.get("cached_tokens") if isinstance(details, dict)
+                                   else 0)
+    computed = min(prompt, max(0, computed))
+    return {"input_tokens": computed, "output_tokens": out, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": prompt - computed}
 
 
 def _input(arguments: Any) -> dict | None:
@@ -101,7 +125,8 @@ def message_of(chat: dict, model: str | None = None) -> dict:
                                bool(uses))
     out = {"id": message_id(chat.get("id")), "type": "message", "role": "assistant",
            "model": chat.get("model") or model or "", "content": content,
-           "stop_reason": reason, "stop_sequence": sequence, "usage": usage_of(chat.get("usage"))}
+           "stop_reason": reason, "stop_sequence": sequence,
+           "usage": usage_of(chat.get("usage"), chat.get("kv_stats"))}
     if chat.get("kv_stats") is not None:
         out["kv_stats"] = chat["kv_stats"]
     return out
@@ -203,7 +228,7 @@ class MessageStream:
         self.finished = True
         reason, sequence = stop_of(self.finish, self.stop_reason, self.uses > 0)
         body: dict = {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                      "usage": usage_of(self.usage)}
+                      "usage": usage_of(self.usage, self.kv_stats)}
         if self.kv_stats is not None:
             body["kv_stats"] = self.kv_stats
         return out + [event("message_delta", body), event("message_stop", {})]
