@@ -330,3 +330,14 @@ def test_bad_requests_are_anthropic_errors_never_a_5xx(worker):
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         sdk(worker.url).messages.create(model=worker.name, max_tokens=0, messages=MESSAGES)
+
+
+def test_count_tokens_counts_the_prompt_messages_renders(worker):
+    kw = dict(model=worker.name, messages=MESSAGES, system="Be brief.", tools=TOOLS)
+    counted = sdk(worker.url).messages.count_tokens(**kw)
+    m = sdk(worker.url).messages.create(**kw, max_tokens=1, tool_choice={"type": "any"},
+                                        extra_body=GREEDY)
+    assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
+    r = httpx.post(worker.url + "/v1/messages/count_tokens", timeout=30,
+                   json={**kw, "max_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

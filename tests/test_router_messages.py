@@ -165,3 +165,13 @@ def test_a_bad_key_is_a_401_the_sdk_understands(cluster):
     r = httpx.post(cluster.router.url + "/v1/messages", timeout=30,
                    json={"model": MODEL, "max_tokens": 4, "messages": []})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_count_tokens_is_a_workers_count(cluster):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Count me."}], tools=TOOLS)
+    got = sdk(cluster.router.url).messages.count_tokens(**kw)
+    want = sdk(cluster.one.url).messages.count_tokens(**kw)
+    assert got.input_tokens == want.input_tokens > 0
+    r = httpx.post(cluster.router.url + "/v1/messages/count_tokens", timeout=30,
+                   headers={"x-api-key": KEY}, json={**kw, "messages": "x"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

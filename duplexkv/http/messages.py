@@ -10,6 +10,7 @@ request as a chat request (`to_chat`, wire/messages_api.py) and hand the chat an
                 -> {"type": "error", "error": {"type", "message"}} with the same status, which
                 the anthropic SDK reads
 `error_response` is the same shape for an APIError raised before the chat path runs.
+`/v1/messages/count_tokens` is the worker's /tokenize of the prompt (`to_count`, `as_count`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from duplexkv.http.errors import APIError
 from duplexkv.http.sse import SSEResponse
 from duplexkv.wire.messages_answer import MessageStream, error_body, message_of
-from duplexkv.wire.messages_api import MessagesError, chat_request
+from duplexkv.wire.messages_api import MessagesError, chat_request, count_request
 
 PATH = "/v1/messages"
+COUNT_PATH = "/v1/messages/count_tokens"
 _PASSED_HEADERS = ("x-request-id",)
 
 
@@ -35,6 +37,32 @@ def to_chat(body: dict) -> dict:
         return chat_request(body)
     except MessagesError as e:
         raise APIError(400, e.message, param=e.param) from None
+
+
+def to_count(body: dict) -> dict:
+    """A count_tokens body -> the worker's /tokenize body for its prompt; a 400 naming the
+    field."""
+    try:
+        return count_request(body)
+    except MessagesError as e:
+        raise APIError(400, e.message, param=e.param) from None
+
+
+def as_count(resp: Response) -> Response:
+    """A /tokenize answer -> count_tokens' {"input_tokens"} (errors in Anthropic's shape)."""
+    headers = _headers(resp)
+    raw = bytes(resp.body)
+    if resp.status_code != 200:
+        return error_response(resp.status_code, _error_message(raw), headers)
+    return JSONResponse({"input_tokens": json.loads(raw)["count"]}, headers=headers)
+
+
+def relayed(status: int, raw: bytes) -> Response:
+    """A worker's count_tokens answer passed on: a 200 as it is, an error in Anthropic's shape
+    (whatever shape the worker used)."""
+    if status == 200:
+        return Response(raw, 200, media_type="application/json")
+    return error_response(status, _error_message(raw))
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
@@ -119,4 +147,5 @@ def _translate(raw: str, stream: MessageStream) -> list[str]:
     return stream.feed(obj)
 
 
-__all__ = ["PATH", "as_message", "error_response", "to_chat"]
+__all__ = ["COUNT_PATH", "PATH", "as_count", "as_message", "error_response", "relayed",
+           "to_chat", "to_count"]

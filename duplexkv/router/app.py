@@ -4,6 +4,7 @@ layer, so the hot path stays short).
     POST /v1/chat/completions, /v1/completions   a turn: one P leg + one D leg (turn/runner.py)
     POST /v1/messages  Anthropic's Messages API: run as a chat turn, answered in its shapes
                        (http/messages.py); recognised from its messages like any chat turn
+    POST /v1/messages/count_tokens   checked here, counted by a worker (healthy ones first)
     GET  /v1/models    the workers' models (from the first healthy worker that answers)
     GET  /health       per-backend state; 503 while no P or no D is healthy; status "degraded"
                        (200) while the conversation store is failing (turns run as misses);
@@ -34,7 +35,7 @@ from starlette.routing import Route
 
 from duplexkv.http import debug_memory, messages
 from duplexkv.http.auth import APIKeyAuth, api_key_of
-from duplexkv.http.body import read_body
+from duplexkv.http.body import parse_json, read_body
 from duplexkv.http.errors import APIError, model_not_found
 from duplexkv.http.limits import HeaderLimit
 from duplexkv.http.version import version_endpoint
@@ -138,6 +139,22 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
     async def anthropic_messages(request: Request) -> Response:
         return messages.as_message(await generate(request, "chat", messages.to_chat))
 
+    async def count_tokens(request: Request) -> Response:
+        try:
+            raw = await read_body(request, cfg.max_request_bytes)
+            messages.to_count(parse_json(raw, cfg.max_json_depth))  # the worker's own 400s
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except APIError as e:
+            return messages.error_response(e.status, e.message)
+        headers = {"content-type": "application/json", **cfg.worker_headers()}
+        for b in sorted(pool.all, key=lambda b: not b.healthy):
+            with contextlib.suppress(httpx.HTTPError):
+                r = await state["upstream"].post(b.url + messages.COUNT_PATH, raw, headers)
+                if r.status_code < 500:
+                    return messages.relayed(r.status_code, r.content)
+        return messages.error_response(503, "No worker answered count_tokens")
+
     async def models(_: Request) -> Response:
         client = state["upstream"].client
         for b in sorted(pool.all, key=lambda b: not b.healthy):
@@ -186,6 +203,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route(messages.PATH, anthropic_messages, methods=["POST"]),
+              Route(messages.COUNT_PATH, count_tokens, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", prometheus, methods=["GET"]),

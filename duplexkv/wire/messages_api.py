@@ -5,9 +5,8 @@ this makes (the worker through its chat path, the router as a chat turn), then t
 answer back (messages_answer.py). Anything this cannot honour is a `MessagesError` naming the
 field (the HTTP layer makes it a 400 in Anthropic's error shape):
 
-    model, max_tokens (required), temperature, top_p, top_k, stream; metadata,
-                    service_tier and cache_control (prompt caching is automatic here) are
-                    accepted and ignored, as is cache_control on blocks
+    model, max_tokens (required), temperature, top_p, top_k, stream; metadata, service_tier
+                    and cache_control (caching is automatic here) accepted and ignored
     system          a string or text blocks (joined by "\\n") -> a system message first
     messages        role user | assistant, content a string or blocks:
         user        text -> a user message (consecutive text blocks joined by "\\n");
@@ -24,7 +23,8 @@ field (the HTTP layer makes it a 400 in Anthropic's error shape):
     thinking        {type: enabled | adaptive | disabled} -> chat_template_kwargs.enable_thinking
     conversation_id our router's conversation id (an extension; Anthropic clients send none and
                     are recognised from their messages)
-Any other field is a 400 (Anthropic's API rejects unknown fields too). Value ranges (a
+Any other field is a 400 (Anthropic's API rejects unknown fields too). `count_request` reads a
+`/v1/messages/count_tokens` body (the same, without max_tokens) into what renders the prompt. Value ranges (a
 temperature, top_k) are checked by the chat request parser, with the same messages.
 """
 
@@ -57,10 +57,9 @@ def chat_request(body: dict) -> dict:
         raise MessagesError(f"`{unknown[0][:64]}`: unknown field (not part of the Messages API "
                             "this server implements)", unknown[0][:64])
     max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        raise MessagesError("`max_tokens` is required", "max_tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise MessagesError("`max_tokens` must be an integer of at least 1", "max_tokens")
+        raise MessagesError("`max_tokens` is required" if max_tokens is None else
+                            "`max_tokens` must be an integer of at least 1", "max_tokens")
     messages = _system(body.get("system"))
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
@@ -91,6 +90,16 @@ def chat_request(body: dict) -> dict:
     if thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": thinking}
     return chat
+
+
+def count_request(body: dict) -> dict:
+    """A count_tokens body (a Messages request without max_tokens) -> what renders its prompt:
+    {messages, tools, chat_template_kwargs, model} of the chat request."""
+    if "max_tokens" in body:
+        raise MessagesError("`max_tokens`: unknown field (count_tokens takes none)", "max_tokens")
+    chat = chat_request({**body, "max_tokens": 1})
+    return {k: chat[k] for k in ("model", "messages", "tools", "chat_template_kwargs")
+            if k in chat}
 
 
 def _system(v: Any) -> list[dict]:
@@ -288,4 +297,4 @@ def _thinking(v: Any) -> bool | None:
     return kind != "disabled"
 
 
-__all__ = ["MessagesError", "chat_request"]
+__all__ = ["MessagesError", "chat_request", "count_request"]
