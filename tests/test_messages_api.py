@@ -341,3 +341,17 @@ def test_count_tokens_counts_the_prompt_messages_renders(worker):
     r = httpx.post(worker.url + "/v1/messages/count_tokens", timeout=30,
                    json={**kw, "max_tokens": 3})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_stop_sequence_is_reported(worker, stream):
+    kw = dict(model=worker.name, max_tokens=24, messages=MESSAGES, extra_body=GREEDY)
+    full = sdk(worker.url).messages.create(**kw).content[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 4]
+    if stream:
+        with sdk(worker.url).messages.stream(**kw, stop_sequences=[stop]) as s:
+            m = s.get_final_message()
+    else:
+        m = sdk(worker.url).messages.create(**kw, stop_sequences=[stop])
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+    assert full.startswith(m.content[0].text) and stop not in m.content[0].text

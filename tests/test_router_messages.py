@@ -9,12 +9,13 @@ transfer nor prefix cache answering the same /v1/messages requests.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
 import pytest
-from test_router import ARGS, MODEL, Router, bidi, start_router
+from test_router import ARGS, MODEL, Router, bidi, metric, start_router
 from test_router import tmp  # noqa: F401 - the same fixture
 from workers import Worker, start_worker, stopping
 
@@ -175,3 +176,27 @@ def test_count_tokens_is_a_workers_count(cluster):
     r = httpx.post(cluster.router.url + "/v1/messages/count_tokens", timeout=30,
                    headers={"x-api-key": KEY}, json={**kw, "messages": "x"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_client_that_leaves_a_stream_aborts_the_decode_leg(cluster):
+    """The anthropic stream wraps D's: a client that reads one event and leaves still aborts D's
+    leg (greedy, this prompt runs 600 tokens without an end of sequence)."""
+    d = cluster.d
+
+    def counts() -> tuple[float, float]:
+        text = d.get("/metrics").text
+        return tuple(metric(text, "duplexkv_requests_total", endpoint="chat_completions",
+                            outcome=o) for o in ("aborted", "ok"))
+
+    aborted, ok = counts()
+    body = {"model": MODEL, "max_tokens": 600, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "A long story:"}]}
+    with httpx.stream("POST", cluster.router.url + "/v1/messages", json=body, timeout=60,
+                      headers={"x-api-key": KEY}) as r:
+        assert r.status_code == 200
+        assert next(r.iter_lines()) == "event: message_start"
+    deadline = time.monotonic() + 30
+    while counts()[0] == aborted or d.health()["in_flight_requests"]:
+        assert time.monotonic() < deadline, ("D still generates for a client that left", counts())
+        time.sleep(0.05)
+    assert counts() == (aborted + 1, ok)

@@ -89,8 +89,14 @@ def as_message(resp: Response, model: str | None = None) -> Response:
     """A chat endpoint's answer -> the Messages API's (module docstring)."""
     headers = _headers(resp)
     if isinstance(resp, StreamingResponse):
-        on_close = resp.on_close if isinstance(resp, SSEResponse) else _nothing
-        return SSEResponse(_events(resp.body_iterator, MessageStream(model or "")), on_close,
+        chunks = resp.body_iterator
+        inner_close = resp.on_close if isinstance(resp, SSEResponse) else _nothing
+
+        async def on_close() -> None:  # the chat stream's cleanup, even if never started
+            await chunks.aclose()  # type: ignore[attr-defined]
+            await inner_close()
+
+        return SSEResponse(_events(chunks, MessageStream(model or "")), on_close,
                            headers={**headers, "Cache-Control": "no-cache"})
     raw = bytes(resp.body)
     if resp.status_code != 200:
