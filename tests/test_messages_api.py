@@ -10,6 +10,8 @@ import json
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import TypeAdapter
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -20,7 +22,7 @@ from workers import start_worker, stopping
 
 from duplexkv.http.auth import APIKeyAuth
 from duplexkv.wire.messages_answer import MessageStream, message_of
-from duplexkv.wire.messages_api import MessagesError, chat_request
+from duplexkv.wire.messages_api import FIELDS, MessagesError, chat_request
 
 anthropic = pytest.importorskip("anthropic")
 from anthropic.types import Message, RawMessageStreamEvent  # noqa: E402
@@ -115,6 +117,35 @@ def test_what_cannot_run_is_an_error_naming_the_field(change, param):
     with pytest.raises(MessagesError) as e:
         chat_request({k: v for k, v in body.items() if v is not None})
     assert e.value.param == param, e.value.message
+
+
+KEYS = st.sampled_from(["type", "text", "role", "content", "tool_use_id", "id", "name", "input",
+                        "is_error", "input_schema", "description", "thinking", "index", "delta",
+                        "choices", "usage", "tool_calls", "function", "arguments", "reasoning",
+                        "finish_reason", "stop_reason", "kv_stats", "error", "message"])
+VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 3) | st.sampled_from(
+        ["", "user", "assistant", "text", "tool_use", "tool_result", "thinking", "image", "auto",
+         "any", "tool", "none", "stop", "length", "tool_calls", "{", "{}", '{"a": 1}']),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=4),
+    max_leaves=16)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(sorted(FIELDS)), VALUES, max_size=6), VALUES)
+def test_no_body_and_no_chunk_breaks_the_translation(body, chunk):
+    """Whatever the shapes: a request is a chat body or a MessagesError (a 400), and any chat
+    answer or stream chunk makes a Message or events (never an exception: a 500)."""
+    try:
+        assert isinstance(chat_request(body), dict)
+    except MessagesError:
+        pass
+    if isinstance(chunk, dict):
+        Message.model_validate({**message_of(chunk), "model": "m"})
+        s = MessageStream()
+        s.feed(chunk)
+        s.feed(chunk)
+        assert s.done()[-1].startswith("event: message_stop")
 
 
 # --- the answer -------------------------------------------------------------------------------

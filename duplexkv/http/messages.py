@@ -104,7 +104,9 @@ def as_message(resp: Response, model: str | None = None) -> Response:
     try:
         chat = json.loads(raw)
     except ValueError:
-        return error_response(502, "the chat answer is not JSON", headers)
+        chat = None
+    if not isinstance(chat, dict):
+        return error_response(502, "the chat answer is not a JSON object", headers)
     return JSONResponse(message_of(chat, model), headers=headers)
 
 
