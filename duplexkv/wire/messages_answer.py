@@ -97,10 +97,19 @@ def _input(arguments: Any) -> dict | None:
     return args if isinstance(args, dict) else None
 
 
+def _str(v: Any) -> str:
+    return v if isinstance(v, str) else ""
+
+
+def _first(choices: Any) -> dict:
+    """Choice 0 of a chat answer or chunk ({} when it has none)."""
+    first = choices[0] if isinstance(choices, list) and choices else None
+    return first if isinstance(first, dict) else {}
+
+
 def message_of(chat: dict, model: str | None = None) -> dict:
     """A chat answer's choice 0 as a Message."""
-    choices = chat.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices else {}
+    choice = _first(chat.get("choices"))
     msg = choice.get("message") if isinstance(choice.get("message"), dict) else {}
     content: list[dict] = []
     if isinstance(msg.get("reasoning"), str) and msg["reasoning"]:
@@ -116,7 +125,7 @@ def message_of(chat: dict, model: str | None = None) -> dict:
         if args is None:  # not a usable call: its text, as the model wrote it
             text += fn.get("arguments") or ""
             continue
-        uses.append({"type": "tool_use", "id": c.get("id") or "", "name": fn.get("name") or "",
+        uses.append({"type": "tool_use", "id": _str(c.get("id")), "name": _str(fn.get("name")),
                      "input": args})
     if text:
         content.append({"type": "text", "text": text})
@@ -124,7 +133,7 @@ def message_of(chat: dict, model: str | None = None) -> dict:
     reason, sequence = stop_of(choice.get("finish_reason"), choice.get("stop_reason"),
                                bool(uses))
     out = {"id": message_id(chat.get("id")), "type": "message", "role": "assistant",
-           "model": chat.get("model") or model or "", "content": content,
+           "model": _str(chat.get("model")) or model or "", "content": content,
            "stop_reason": reason, "stop_sequence": sequence,
            "usage": usage_of(chat.get("usage"), chat.get("kv_stats"))}
     if chat.get("kv_stats") is not None:
@@ -158,7 +167,7 @@ class MessageStream:
             return []
         self.started = True
         msg = {"id": message_id(chunk.get("id")), "type": "message", "role": "assistant",
-               "model": chunk.get("model") or self.model, "content": [], "stop_reason": None,
+               "model": _str(chunk.get("model")) or self.model, "content": [], "stop_reason": None,
                "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
         return [event("message_start", {"message": msg})]
 
@@ -186,9 +195,8 @@ class MessageStream:
             self.usage = chunk["usage"]
         if chunk.get("kv_stats") is not None:
             self.kv_stats = chunk["kv_stats"]
-        choices = chunk.get("choices")
-        choice = choices[0] if isinstance(choices, list) and choices else None
-        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+        choice = _first(chunk.get("choices"))
+        if not choice or choice.get("index", 0) != 0:
             return out
         delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
         if isinstance(delta.get("reasoning"), str) and delta["reasoning"]:
@@ -212,8 +220,8 @@ class MessageStream:
         fn = c.get("function") if isinstance(c.get("function"), dict) else {}
         out = []
         if "id" in c or c.get("index", 0) != self.call or self.block != "tool_use":
-            out = self._open({"type": "tool_use", "id": c.get("id") or "",
-                              "name": fn.get("name") or "", "input": {}})
+            out = self._open({"type": "tool_use", "id": _str(c.get("id")),
+                              "name": _str(fn.get("name")), "input": {}})
             self.call, self.uses = c.get("index", 0), self.uses + 1
         if isinstance(fn.get("arguments"), str) and fn["arguments"]:
             out.append(self._delta({"type": "input_json_delta",

@@ -23,9 +23,9 @@ field (the HTTP layer makes it a 400 in Anthropic's error shape):
     thinking        {type: enabled | adaptive | disabled} -> chat_template_kwargs.enable_thinking
     conversation_id our router's conversation id (an extension; Anthropic clients send none and
                     are recognised from their messages)
-Any other field is a 400 (Anthropic's API rejects unknown fields too). `count_request` reads a
-`/v1/messages/count_tokens` body (the same, without max_tokens) into what renders the prompt. Value ranges (a
+Any other field is a 400 (Anthropic's API rejects unknown fields too); value ranges (a
 temperature, top_k) are checked by the chat request parser, with the same messages.
+`count_request`: a count_tokens body (no max_tokens) -> what renders its prompt.
 """
 
 from __future__ import annotations
