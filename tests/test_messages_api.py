@@ -359,6 +359,8 @@ def test_bad_requests_are_anthropic_errors_never_a_5xx(worker):
     for raw in (b"{", b"[]", b'{"max_tokens": 1e999}'):
         r = httpx.post(worker.url + "/v1/messages", content=raw, timeout=30)
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    r = httpx.get(worker.url + "/v1/messages", timeout=30)  # the app's own handlers too
+    assert r.status_code == 405 and r.json()["type"] == "error", r.text
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         sdk(worker.url).messages.create(model=worker.name, max_tokens=0, messages=MESSAGES)
 

@@ -159,6 +159,14 @@ def test_bad_requests_are_anthropic_errors(cluster, change, status):
                                     else "invalid_request_error")
 
 
+def test_the_apps_own_errors_are_anthropic_shaped_on_messages_paths(cluster):
+    r = httpx.get(cluster.router.url + "/v1/messages", timeout=30, headers={"x-api-key": KEY})
+    assert r.status_code == 405 and r.json()["type"] == "error", r.text
+    r = httpx.get(cluster.router.url + "/v1/chat/completions", timeout=30,
+                  headers={"authorization": f"Bearer {KEY}"})
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405, r.text  # ours elsewhere
+
+
 def test_a_bad_key_is_a_401_the_sdk_understands(cluster):
     with pytest.raises(anthropic.AuthenticationError):
         sdk(cluster.router.url, "wrong-key").messages.create(

@@ -9,7 +9,8 @@ request as a chat request (`to_chat`, wire/messages_api.py) and hand the chat an
     an error    any status, any body (ours in OpenAI's shape, a worker's relayed by the router)
                 -> {"type": "error", "error": {"type", "message"}} with the same status, which
                 the anthropic SDK reads
-`error_response` is the same shape for an APIError raised before the chat path runs.
+`error_response` is the same shape for an APIError raised before the chat path runs, and
+`shaped` for the apps' own error handlers (an unknown method, an unexpected exception).
 `/v1/messages/count_tokens` is the worker's /tokenize of the prompt (`to_count`, `as_count`).
 """
 
@@ -67,6 +68,13 @@ def relayed(status: int, raw: bytes) -> Response:
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+
+
+def shaped(path: str, err: APIError) -> Response:
+    """An app-wide error handler's answer: Anthropic's shape on the Messages paths, else ours."""
+    if path.startswith(PATH):
+        return error_response(err.status, err.message)
+    return err.response()
 
 
 def _headers(resp: Response) -> dict[str, str]:
@@ -156,4 +164,4 @@ def _translate(raw: str, stream: MessageStream) -> list[str]:
 
 
 __all__ = ["COUNT_PATH", "PATH", "as_count", "as_message", "error_response", "relayed",
-           "to_chat", "to_count"]
+           "shaped", "to_chat", "to_count"]

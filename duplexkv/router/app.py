@@ -190,15 +190,16 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
         metrics.update(pool, stored)
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    async def http_error(_: Request, exc: HTTPException) -> Response:
+    async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        return messages.shaped(request.url.path,
+                               APIError(exc.status_code, str(exc.detail), type=kind))
 
-    async def unexpected(_: Request, exc: Exception) -> Response:
+    async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error")
         # the exception's text can hold a worker's address: the client gets its type only
-        return APIError(500, f"internal error ({type(exc).__name__})",
-                        type="internal_server_error").response()
+        return messages.shaped(request.url.path, APIError(
+            500, f"internal error ({type(exc).__name__})", type="internal_server_error"))
 
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),

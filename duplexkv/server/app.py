@@ -79,18 +79,19 @@ def build_app(aeng: AsyncEngine, served_model_names: str | Sequence[str],
     app.state.aeng, app.state.metrics, app.state.serving = aeng, metrics, serving
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> Response:
-        return bad_request(f"invalid request: {exc.errors()}").response()
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return messages.shaped(request.url.path, bad_request(f"invalid request: {exc.errors()}"))
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> Response:
+    async def _http(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        return messages.shaped(request.url.path,
+                               APIError(exc.status_code, str(exc.detail), type=kind))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error")
-        return internal_error(exc).response()
+        return messages.shaped(request.url.path, internal_error(exc))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
