@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import httpx
 from starlette.applications import Starlette
@@ -104,7 +105,8 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
             await upstream.aclose()
             await store.close()
 
-    async def generate(request: Request, kind: Kind, translate=None) -> Response:
+    async def generate(request: Request, kind: Kind,
+                       translate: Callable[[dict], dict] | None = None) -> Response:
         arrival = time.perf_counter()
         turns: TurnRunner = state["turns"]
         try:
