@@ -134,6 +134,17 @@ def test_a_json_answer_through_p_and_d_equals_one_worker(cluster):
     assert got.model_extra["kv_stats"]["prefill"] is not None
 
 
+def test_tools_without_a_tool_choice_are_auto_and_parsed_by_d(cluster):
+    """The SDK's default with tools is "auto": D's hermes parser reads the answer (the random
+    model writes text, no call), streamed equal to one worker's."""
+    kw = dict(model=MODEL, max_tokens=16, messages=[{"role": "user", "content": "Hi?"}],
+              tools=TOOLS, extra_body=GREEDY)
+    got, _ = ask(cluster.router.url, True, **kw)
+    want = sdk(cluster.one.url).messages.create(**kw)
+    assert blocks(got) == blocks(want) and [b.type for b in got.content] == ["text"]
+    assert got.stop_reason == want.stop_reason in ("max_tokens", "end_turn")
+
+
 BAD = [  # (body change, HTTP status): Anthropic's error shape, never a 5xx
     ({"max_tokens": None}, 400),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400),
