@@ -179,3 +179,15 @@ def test_recall_finds_the_newest_stored_prefix_and_an_explicit_id_wins():
         assert metrics.recognised.labels("matched")._value.get() == 2
         assert metrics.recognised.labels("unmatched")._value.get() == 1
     asyncio.run(run())
+
+
+def test_tool_call_arguments_match_by_their_value_not_their_spacing():
+    """A client that re-serialises a call's arguments (an Anthropic client sends a call back as
+    a tool_use `input` object) still finds the turn: only a hint, the tokens are verified."""
+    def call(arguments):
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
+    compact, spaced = call('{"city":"Oslo","days":2}'), call('{"city": "Oslo", "days": 2}')
+    assert canonical(compact) == canonical(spaced)
+    for other in ('{"city": "Bergen", "days": 2}', '{"city": "Oslo"', "[1]", ""):
+        assert canonical(call(other)) != canonical(spaced), other

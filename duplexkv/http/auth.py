@@ -6,8 +6,11 @@ only the `/v1/...` paths; ours guard every other path too (`/tokenize`, `/detoke
 unknown paths): they cost the server work or show its state, and vLLM's own security guide warns
 that its keys leave such endpoints open. Anything else, unknown
 paths included, gets a 401 in OpenAI's error shape (`invalid_api_key`, as OpenAI answers) with
-`WWW-Authenticate: Bearer`. Only the `Authorization` header counts: OpenAI's clients send it, and
-vLLM reads nothing else (`x-api-key` is Anthropic's convention).
+`WWW-Authenticate: Bearer`. The key is read from `Authorization: Bearer` (what OpenAI's clients send
+and vLLM reads); on Anthropic's `/v1/messages` paths also, when that header is absent, from
+`x-api-key` (what the anthropic SDK sends; its `anthropic-version` header is accepted and
+ignored), and their 401 is in Anthropic's error shape (`authentication_error`), which the SDK
+reads.
 
 The presented token is hashed (SHA-256) and compared with every key's digest by
 `hmac.compare_digest`, all keys each time, so the time taken says nothing about how much of a key
@@ -22,13 +25,16 @@ import hmac
 import os
 from collections.abc import Iterable
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from duplexkv.http.errors import APIError
+from duplexkv.wire.messages_answer import error_body
 
 API_KEY_ENV = "DUPLEXKV_API_KEY"  # a worker's or a router's client keys
 WORKER_API_KEY_ENV = "DUPLEXKV_WORKER_API_KEY"  # the key a router sends to its workers
 OPEN_PATHS = frozenset(("/health", "/metrics", "/version"))
+MESSAGES_PATHS = ("/v1/messages",)  # Anthropic's API: its error shape
 _SCOPE_KEY = "duplexkv.api_key"
 
 
@@ -81,11 +87,16 @@ class APIKeyAuth:
         if not self._digests or scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        token = _bearer_token(scope)
+        anthropic = scope["path"].startswith(MESSAGES_PATHS)
+        token = _bearer_token(scope, anthropic)
         key = None if token is None else self._match(token)
         if key is None:
-            await invalid_api_key(token is None).response(
-                {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            err = invalid_api_key(token is None)
+            answer = err.response({"WWW-Authenticate": "Bearer"})
+            if anthropic:
+                answer = JSONResponse(error_body(401, err.message), 401,
+                                      {"WWW-Authenticate": "Bearer"})
+            await answer(scope, receive, send)
             return
         scope[_SCOPE_KEY] = key
         await self.app(scope, receive, send)
@@ -102,11 +113,15 @@ def _digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
 
 
-def _bearer_token(scope: Scope) -> bytes | None:
-    """The token of the first `Authorization: Bearer <token>` header, as sent; None if none."""
+def _bearer_token(scope: Scope, x_api_key: bool = False) -> bytes | None:
+    """The token of the first `Authorization: Bearer <token>` header, as sent; without that
+    header and with `x_api_key`, the first `x-api-key`'s; None if none."""
+    api_key = None
     for name, value in scope["headers"]:
         if name == b"authorization":
             scheme, _, token = value.strip().partition(b" ")
             token = token.strip()
             return token if scheme.lower() == b"bearer" and token else None
-    return None
+        if x_api_key and name == b"x-api-key" and api_key is None:
+            api_key = value.strip() or None
+    return api_key

@@ -2,6 +2,9 @@
 layer, so the hot path stays short).
 
     POST /v1/chat/completions, /v1/completions   a turn: one P leg + one D leg (turn/runner.py)
+    POST /v1/messages  Anthropic's Messages API: run as a chat turn, answered in its shapes
+                       (http/messages.py); recognised from its messages like any chat turn
+    POST /v1/messages/count_tokens   checked here, counted by a worker (healthy ones first)
     GET  /v1/models    the workers' models (from the first healthy worker that answers)
     GET  /health       per-backend state; 503 while no P or no D is healthy; status "degraded"
                        (200) while the conversation store is failing (turns run as misses);
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import httpx
 from starlette.applications import Starlette
@@ -30,9 +34,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from duplexkv.http import debug_memory
+from duplexkv.http import debug_memory, messages
 from duplexkv.http.auth import APIKeyAuth, api_key_of
-from duplexkv.http.body import read_body
+from duplexkv.http.body import parse_json, read_body
 from duplexkv.http.errors import APIError, model_not_found
 from duplexkv.http.limits import HeaderLimit
 from duplexkv.http.version import version_endpoint
@@ -101,13 +105,14 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
             await upstream.aclose()
             await store.close()
 
-    async def generate(request: Request, kind: Kind) -> Response:
+    async def generate(request: Request, kind: Kind,
+                       translate: Callable[[dict], dict] | None = None) -> Response:
         arrival = time.perf_counter()
         turns: TurnRunner = state["turns"]
         try:
             raw = await read_body(request, cfg.max_request_bytes)
             req = parse_client_request(raw, request.headers, kind, cfg.max_json_depth,
-                                       api_key_of(request.scope))
+                                       api_key_of(request.scope), translate)
             models = pool.models()
             if req.model is not None and models and req.model not in models:
                 raise model_not_found(req.model)
@@ -132,6 +137,25 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
 
     async def completions(request: Request) -> Response:
         return await generate(request, "completion")
+
+    async def anthropic_messages(request: Request) -> Response:
+        return messages.as_message(await generate(request, "chat", messages.to_chat))
+
+    async def count_tokens(request: Request) -> Response:
+        try:
+            raw = await read_body(request, cfg.max_request_bytes)
+            messages.to_count(parse_json(raw, cfg.max_json_depth))  # the worker's own 400s
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except APIError as e:
+            return messages.error_response(e.status, e.message)
+        headers = {"content-type": "application/json", **cfg.worker_headers()}
+        for b in sorted(pool.all, key=lambda b: not b.healthy):
+            with contextlib.suppress(httpx.HTTPError):
+                r = await state["upstream"].post(b.url + messages.COUNT_PATH, raw, headers)
+                if r.status_code < 500:
+                    return messages.relayed(r.status_code, r.content)
+        return messages.error_response(503, "No worker answered count_tokens")
 
     async def models(_: Request) -> Response:
         client = state["upstream"].client
@@ -168,18 +192,21 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
         metrics.update(pool, stored)
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    async def http_error(_: Request, exc: HTTPException) -> Response:
+    async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        return messages.shaped(request.url.path,
+                               APIError(exc.status_code, str(exc.detail), type=kind))
 
-    async def unexpected(_: Request, exc: Exception) -> Response:
+    async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error")
         # the exception's text can hold a worker's address: the client gets its type only
-        return APIError(500, f"internal error ({type(exc).__name__})",
-                        type="internal_server_error").response()
+        return messages.shaped(request.url.path, APIError(
+            500, f"internal error ({type(exc).__name__})", type="internal_server_error"))
 
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
+              Route(messages.PATH, anthropic_messages, methods=["POST"]),
+              Route(messages.COUNT_PATH, count_tokens, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", prometheus, methods=["GET"]),

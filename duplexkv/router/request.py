@@ -20,7 +20,7 @@ and never forwarded: the legs carry the router's own worker key, if any.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -62,10 +62,14 @@ class ClientRequest:
 
 def parse_client_request(raw: bytes, headers: Mapping[str, str], kind: Kind,
                          max_depth: int = DEFAULT_MAX_JSON_DEPTH,
-                         api_key: str | None = None) -> ClientRequest:
+                         api_key: str | None = None,
+                         translate: Callable[[dict], dict] | None = None) -> ClientRequest:
     """Raises APIError (400) for what a worker would reject anyway. `api_key`: the key the
-    request authenticated with (`duplexkv.http.auth.api_key_of`)."""
+    request authenticated with (`duplexkv.http.auth.api_key_of`). `translate`: another API's
+    body -> the `kind` request that runs it (Anthropic's Messages -> chat, http/messages.py)."""
     body = parse_json(raw, max_depth)
+    if translate is not None:
+        body = translate(body)
     unlinked = body.get("conversation_id") == ""
     conv = _conversation_id(body.pop("conversation_id", None), headers)
     body.pop("kv_transfer_params", None)  # never trusted from a client

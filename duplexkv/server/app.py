@@ -2,6 +2,7 @@
 /debug/engine.
 
     POST /v1/completions, /v1/chat/completions   (serving.OpenAIServing)
+    POST /v1/messages    Anthropic's Messages API, run as a chat request (http/messages.py)
     POST /tokenize, /detokenize                  (tokenize, vLLM's shapes)
     GET  /v1/models, /version, /health, /metrics, /debug/engine
 
@@ -25,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from duplexkv.engine.async_engine import AsyncEngine
-from duplexkv.http import debug_memory
+from duplexkv.http import debug_memory, messages
 from duplexkv.http.auth import APIKeyAuth
 from duplexkv.http.errors import APIError, bad_request, engine_unavailable, internal_error
 from duplexkv.http.version import version_endpoint
@@ -78,18 +79,19 @@ def build_app(aeng: AsyncEngine, served_model_names: str | Sequence[str],
     app.state.aeng, app.state.metrics, app.state.serving = aeng, metrics, serving
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> Response:
-        return bad_request(f"invalid request: {exc.errors()}").response()
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return messages.shaped(request.url.path, bad_request(f"invalid request: {exc.errors()}"))
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> Response:
+    async def _http(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        return messages.shaped(request.url.path,
+                               APIError(exc.status_code, str(exc.detail), type=kind))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error")
-        return internal_error(exc).response()
+        return messages.shaped(request.url.path, internal_error(exc))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -98,6 +100,10 @@ def build_app(aeng: AsyncEngine, served_model_names: str | Sequence[str],
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.handle(request, "chat")
+
+    @app.post(messages.PATH)
+    async def anthropic_messages(request: Request) -> Response:
+        return messages.as_message(await serving.handle(request, "chat", messages.to_chat))
 
     @app.get("/v1/models")
     async def models() -> Response:

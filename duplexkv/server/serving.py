@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -35,6 +35,7 @@ from duplexkv.server.responses import DONE, Formatter, cached_tokens, sse
 
 log = logging.getLogger("duplexkv.server")
 T = TypeVar("T")
+Translate = Callable[[dict], dict]
 ENDPOINT = {"completion": "completions", "chat": "chat_completions"}
 PREP_THREADS = 2
 
@@ -102,10 +103,15 @@ class OpenAIServing:
         # parsing, templating and tokenizing run here, never on the event loop
         self.prep_pool = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="prepare")
 
-    def _prepare(self, raw: bytes, kind: Kind) -> Prepared:
-        return prepare(self.aeng.engine, self.names, parse_json(raw), kind, self.features)
+    def _prepare(self, raw: bytes, kind: Kind, translate: Translate | None = None) -> Prepared:
+        body = parse_json(raw)
+        return prepare(self.aeng.engine, self.names, translate(body) if translate else body,
+                       kind, self.features)
 
-    async def handle(self, request: Request, kind: Kind) -> Response:
+    async def handle(self, request: Request, kind: Kind,
+                     translate: Translate | None = None) -> Response:
+        """`translate`: the body of another API -> the `kind` request that runs it (an
+        APIError for what it cannot run), e.g. Anthropic's Messages -> chat."""
         endpoint, arrival = ENDPOINT[kind], time.perf_counter()
         try:
             try:
@@ -115,7 +121,8 @@ class OpenAIServing:
             if self.aeng.dead:
                 raise engine_unavailable(self.aeng.dead)
             loop = asyncio.get_running_loop()
-            prep = await loop.run_in_executor(self.prep_pool, self._prepare, raw, kind)
+            prep = await loop.run_in_executor(self.prep_pool, self._prepare, raw, kind,
+                                              translate)
         except APIError as e:
             self.metrics.record_rejected(endpoint, e.outcome)
             return e.response()

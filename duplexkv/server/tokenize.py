@@ -6,6 +6,8 @@
                   [+ model, return_token_strs]
                -> {count, max_model_len, tokens, token_strs}
     /detokenize   {tokens, model?} -> {prompt}    (special tokens kept, as HF's decode by default)
+    /v1/messages/count_tokens   Anthropic's: a Messages request without max_tokens
+                  -> {input_tokens}               (its prompt, rendered as /v1/messages renders it)
 
 Validation is the generation endpoints' (same messages, same chat template arguments, same 400s
 naming the field); the work runs on the worker's prepare threads, never on the event loop. The
@@ -25,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from duplexkv.engine.llm_engine import LLMEngine
 from duplexkv.http.body import parse_json, read_body
 from duplexkv.http.chat_options import ChatOptions, parse_chat_options
+from duplexkv.http import messages
 from duplexkv.http.errors import APIError, bad_request, model_not_found
 from duplexkv.http.openai import parse_messages
 from duplexkv.server.serving import OpenAIServing
@@ -132,6 +135,11 @@ def add_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def tokenize_endpoint(request: Request) -> Response:
         return await run(request, lambda raw: tokenize(
             engine, parse_tokenize(parse_json(raw), served)))
+
+    @app.post(messages.COUNT_PATH)
+    async def count_message_tokens(request: Request) -> Response:
+        return messages.as_count(await run(request, lambda raw: tokenize(
+            engine, parse_tokenize(messages.to_count(parse_json(raw)), served))))
 
     @app.post("/detokenize")
     async def detokenize_endpoint(request: Request) -> Response:

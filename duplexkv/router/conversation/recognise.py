@@ -6,7 +6,10 @@ a prefix of its own messages. No standard client sends a conversation id; this g
                tool_call_id, name]. content: a string as is (None -> ""); a list of parts that
                are all text -> their texts joined by "\\n" (the string form vLLM renders); any
                other list -> text parts as their text, other parts (images, audio) as they are.
-               tool_calls: each call as [id, type, name, arguments]. Ignored: reasoning and
+               tool_calls: each call as [id, type, name, arguments], arguments that are a JSON
+               object by their parsed value (a client that re-serialises them, such as an
+               Anthropic client sending a call back as a tool_use `input`, spaces them its own
+               way: the match is only a hint, the tokens are verified). Ignored: reasoning and
                reasoning_content (chat templates drop an earlier turn's reasoning and clients
                strip it), refusal, annotations, audio, function_call, any other field.
     key        the prefix hash of messages[:i]: SHA-256 over a namespace (a domain tag, the
@@ -132,8 +135,19 @@ def _tool_calls(calls: Any) -> Any:
             continue
         fn = c.get("function") if isinstance(c.get("function"), dict) else {}
         out.append([c.get("id"), c.get("type") or "function", fn.get("name"),
-                    fn.get("arguments")])
+                    _arguments(fn.get("arguments"))])
     return out
+
+
+def _arguments(text: Any) -> Any:
+    """A call's arguments: the object they encode (any spacing), else as they are."""
+    if type(text) is not str or not text.lstrip().startswith("{"):
+        return text
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return value if type(value) is dict else text
 
 
 def _feed(h: Any, messages: list) -> None:
