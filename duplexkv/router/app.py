@@ -2,6 +2,8 @@
 layer, so the hot path stays short).
 
     POST /v1/chat/completions, /v1/completions   a turn: one P leg + one D leg (turn/runner.py)
+    POST /v1/responses, GET|DELETE /v1/responses/{id}
+                       OpenAI's Responses API as a chat turn (responses.py)
     GET  /v1/models    the workers' models (from the first healthy worker that answers)
     GET  /health       per-backend state; 503 while no P or no D is healthy; status "degraded"
                        (200) while the conversation store is failing (turns run as misses);
@@ -41,11 +43,13 @@ from duplexkv.router.config import RouterConfig
 from duplexkv.router.conversation import routes as conversation_routes
 from duplexkv.router.conversation.lifecycle import LeaseKeeper, LifecycleMetrics
 from duplexkv.router.conversation.recall import Conversations
+from duplexkv.router.conversation.response_store import make_response_store
 from duplexkv.router.conversation.store import ConversationStore, make_store
 from duplexkv.router.discovery import Discovery
 from duplexkv.router.health import HealthChecker
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.request import ENDPOINTS, Kind, parse_client_request
+from duplexkv.router.responses import ResponsesRoutes
 from duplexkv.router.turn.calls import Relayed
 from duplexkv.router.turn.context import Turn
 from duplexkv.router.turn.runner import TurnRunner
@@ -74,6 +78,10 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
     keeper = LeaseKeeper(None, cfg.worker_headers(), cfg.lease_renew_period_s,
                          cfg.request_timeout_s, LifecycleMetrics(metrics.registry))
     conversations = Conversations(store, metrics, cfg.rewrite_remote_host, keeper)
+    responses = ResponsesRoutes(cfg, pool, metrics,
+                                make_response_store(cfg.store, cfg.conversation_ttl_s,
+                                                    cfg.store_timeout_s),
+                                lambda: state["turns"])
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -100,6 +108,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
             await warmer.stop()
             await upstream.aclose()
             await store.close()
+            await responses.store.close()
 
     async def generate(request: Request, kind: Kind) -> Response:
         arrival = time.perf_counter()
@@ -184,6 +193,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
               Route("/health", health, methods=["GET"]),
               Route("/metrics", prometheus, methods=["GET"]),
               Route("/version", version_endpoint, methods=["GET"]),
+              *responses.routes(),
               *conversation_routes.routes(store, keeper, cfg.keepalive_s,
                                           cfg.conversation_ttl_s)]
     app = Starlette(routes=routes, lifespan=lifespan,
@@ -192,7 +202,8 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
                     exception_handlers={HTTPException: http_error, Exception: unexpected})
     app.state.pool, app.state.store, app.state.metrics = pool, store, metrics
     app.state.discovery = discovery
-    debug_memory.add_route(app, lambda: {"store": store.held_here()})
+    debug_memory.add_route(app, lambda: {"store": store.held_here(),
+                                         "responses": responses.store.held_here()})
     app.state.auth_summary = (f"{len(cfg.api_keys)} client API key(s)" if cfg.api_keys else
                               "no client API key") + (", a worker API key" if cfg.worker_api_key
                                                       else ", no worker API key")

@@ -2,7 +2,9 @@
 its turn runner, so the Responses API adds no generation logic of its own.
 
     POST    parse (request.py) -> with previous_response_id, the stored chain's history (404
-            when unknown or expired) -> the chat body -> run(chat body, conversation key) ->
+            when unknown or expired) and its conversation's key (where the router kept the
+            previous turn's KV entry; none kept: the chain is named `response:<that id>` as a
+            conversation id) -> the chat body -> run(chat body, conversation key) ->
             JSON: the Response (output.py); stream: the events (events.py) -> with `store`,
             the Response and its history are stored before the client has the answer
     GET     the stored Response (404 unless this API key stored it and it has not expired)
@@ -71,6 +73,10 @@ class ResponsesFront:
                 raise not_found(req.previous_response_id, "previous_response_id")
             history, key = prev.history, prev.conversation_key
         chat = req.chat_body(history)
+        if req.previous_response_id is not None and key is None:
+            # the chain's first link kept no conversation (nothing recognised): from here on
+            # the chain is one, named after that response (the router keys it by API key)
+            chat.setdefault("conversation_id", f"response:{req.previous_response_id}")
         shape = ResponseShape(new_id("resp"), req.model or self.model, req.echo)
         answer = await run(chat, key)
         resp = answer.response

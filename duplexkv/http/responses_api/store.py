@@ -74,6 +74,9 @@ class ResponseStore(ABC):
     def held_here(self) -> int:
         return 0
 
+    async def close(self) -> None:
+        pass
+
 
 class MemoryResponseStore(ResponseStore):
     """One process: an OrderedDict in put order (one TTL for all: put order = expiry order)."""
