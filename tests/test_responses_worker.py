@@ -168,3 +168,28 @@ def test_bodies_are_bounded(worker):
     big = json.dumps({"model": "tiny", "input": "x" * (64 << 20)})
     r = httpx.post(worker.url + "/v1/responses", content=big)
     assert r.status_code == 413, r.text
+
+
+def test_every_object_and_event_validates_strictly(worker):
+    """The SDK's client builds its objects without validating them: here the worker's JSON and
+    every streamed event are validated by the SDK's pydantic types, field by field."""
+    types = pytest.importorskip("openai.types.responses")
+    from pydantic import TypeAdapter
+
+    body = {"model": "tiny", "input": Q, "tools": TOOLS, "tool_choice": "required",
+            "max_output_tokens": 64, "temperature": 0}
+    r = httpx.post(worker.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    types.Response.model_validate(r.json())
+    adapter = TypeAdapter(types.ResponseStreamEvent)
+    with httpx.stream("POST", worker.url + "/v1/responses", json={**body, "stream": True},
+                      timeout=60) as s:
+        assert s.headers["content-type"].startswith("text/event-stream")
+        text = "".join(s.iter_text())
+    events = [e for e in text.split("\n\n") if e.strip()]
+    kinds = []
+    for event in events:
+        head, data = event.split("\n")
+        kinds.append(adapter.validate_python(json.loads(data[len("data: "):])).type)
+        assert head == f"event: {kinds[-1]}"
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"

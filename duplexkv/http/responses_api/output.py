@@ -50,7 +50,8 @@ def usage(chat_usage: Any) -> dict | None:
     p, c = chat_usage.get("prompt_tokens") or 0, chat_usage.get("completion_tokens") or 0
     details = chat_usage.get("prompt_tokens_details")
     cached = (details or {}).get("cached_tokens") if isinstance(details, dict) else None
-    return {"input_tokens": p, "input_tokens_details": {"cached_tokens": cached or 0},
+    return {"input_tokens": p,
+            "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
             "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": p + c}
 
