@@ -185,7 +185,7 @@ def test_errors_through_the_router(cluster):
     assert on.get(f"/v1/responses/{r.id}").status_code == 404
     for body, param in (({"input": "hi", "tools": [{"type": "file_search"}]}, "tools[0].type"),
                         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
-                        ({"input": "hi", "max_output_tokens": "many"}, "max_tokens")):
+                        ({"input": "hi", "max_output_tokens": "many"}, "max_output_tokens")):
         resp = on.post("/v1/responses", {"model": "tiny", **body})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
     resp = on.post("/v1/responses", b'{"input": ' + b"[" * 200 + b"]" * 200 + b"}")
@@ -197,3 +197,26 @@ def test_errors_through_the_router(cluster):
                                      "temperature": -1})
     assert resp.status_code == 400, resp.text
     assert json.loads(resp.text)["error"]["type"] == "invalid_request_error"
+
+
+def test_stored_responses_belong_to_their_api_key(cluster, tmp):  # noqa: F811
+    p, d, _on, _off = cluster
+    ka, kb = "responses-key-a", "responses-key-b"
+    with stopping(start_router(tmp / "responses-keys.log", [p.url], [d.url], "--api-key", ka,
+                               "--api-key", kb, placement=None)) as r:
+        a, b = r.client(ka), r.client(kb)
+        first = a.responses.create(model="tiny", input="hi", max_output_tokens=4)
+        assert a.responses.retrieve(first.id).id == first.id
+        with pytest.raises(openai.NotFoundError):
+            b.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError):
+            b.responses.create(model="tiny", input="more", previous_response_id=first.id)
+        with pytest.raises(openai.NotFoundError):
+            b.responses.delete(first.id)
+        assert a.responses.create(model="tiny", input="more", max_output_tokens=4,
+                                  previous_response_id=first.id).previous_response_id == first.id
+        with pytest.raises(openai.AuthenticationError):
+            r.client("wrong").responses.retrieve(first.id)
+        big = b'{"model": "tiny", "input": "' + b"x" * (5 << 20) + b'"}'
+        resp = r.post("/v1/responses", big, authorization=f"Bearer {ka}")
+        assert resp.status_code == 413 and resp.json()["error"]["type"] == "invalid_request_error"

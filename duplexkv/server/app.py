@@ -134,7 +134,8 @@ def build_app(aeng: AsyncEngine, served_model_names: str | Sequence[str],
     tokenize.add_routes(app, serving)
     responses_routes.add_routes(app, serving)
     app.add_route("/version", version_endpoint, methods=["GET"])
-    debug_memory.add_route(app, lambda: _structures(aeng, serving))
+    debug_memory.add_route(app, lambda: {**_structures(aeng, serving),
+                                         "responses.stored": app.state.responses.store.held_here()})
     return app
 
 

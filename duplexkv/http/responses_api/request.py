@@ -70,6 +70,11 @@ def parse_responses_request(body: dict) -> ResponsesRequest:
     messages = input_messages(body["input"])
     if not messages and prev is None:
         raise bad_request("`input` must not be empty", "input")
+    for name, kind, what in (("max_output_tokens", int, "an integer"),
+                             ("temperature", (int, float), "a number"),
+                             ("top_p", (int, float), "a number"),
+                             ("parallel_tool_calls", bool, "a boolean")):
+        _typed(body, name, kind, what)  # their values are the chat parser's to check
     stream = _typed(body, "stream", bool, "a boolean") or False
     store = _typed(body, "store", bool, "a boolean")
     chat: dict = {k: body[k] for k in PASSED if body.get(k) is not None}
@@ -104,7 +109,7 @@ def parse_responses_request(body: dict) -> ResponsesRequest:
                             chat, echo)
 
 
-def _typed(body: dict, name: str, kind: type, what: str) -> Any:
+def _typed(body: dict, name: str, kind: type | tuple[type, ...], what: str) -> Any:
     v = body.get(name)
     if v is None:
         return None
