@@ -121,16 +121,18 @@ def test_an_agent_reuses_from_turn_2_and_answers_as_reuse_off(cluster):
 
 
 def chain(router, reuse: bool = True, via: tuple = ()) -> list:
-    """Three turns chained by previous_response_id: a forced tool call, its result, a question
-    (`via`: the router of each turn, default `router`)."""
+    """Three turns chained by previous_response_id: a forced tool call, its result (streamed), a
+    question (`via`: the router of each turn, default `router`)."""
     routers = via or (router, router, router)
     extra = {} if reuse else {"conversation_id": ""}
     kw = dict(model="tiny", temperature=0, max_output_tokens=48, tools=TOOLS, extra_body=extra)
     first = routers[0].client().responses.create(input=TASK, tool_choice="required", **kw)
     call = next(i for i in first.output if i.type == "function_call")
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
-    second = routers[1].client().responses.create(
-        input=[result], previous_response_id=first.id, tool_choice="none", **kw)
+    events = list(routers[1].client().responses.create(  # streamed: its key is kept as well
+        input=[result], previous_response_id=first.id, tool_choice="none", stream=True, **kw))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    second = events[-1].response
     third = routers[2].client().responses.create(
         input="And the next city?", previous_response_id=second.id, tool_choice="none", **kw)
     return [first, second, third]
