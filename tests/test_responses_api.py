@@ -251,3 +251,30 @@ def test_the_store_is_bounded_expiring_and_per_key():
         assert await store.delete("a", "resp_20") and await store.get("a", "resp_20") is None
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("chat", [
+    {}, {"choices": None}, {"choices": {"0": 1}}, {"choices": [None]},
+    {"choices": [{"message": {"content": 5, "tool_calls": [None, {"function": 3}, "x"]}}],
+     "usage": {"prompt_tokens": "3", "prompt_tokens_details": []}},
+    {"choices": [{"message": {"tool_calls": {"a": 1}, "reasoning": ["x"]}}], "usage": 5},
+])
+def test_odd_chat_answers_still_make_a_valid_response(chat):
+    """An upstream answer of an unexpected shape (a vLLM D, a proxy) never raises here."""
+    types.Response.model_validate(shape().from_chat(chat))
+
+
+def test_odd_chat_chunks_still_make_valid_events():
+    ev = ResponseEvents(shape())
+    lines = ev.start()
+    for event in ('data: {"choices": 3}', "data: [1, 2]", "data: nope", ": comment",
+                  'data: {"choices": [null, {"index": 0, "delta": 7}]}',
+                  'data: {"choices": [{"index": 0, "delta": {"tool_calls": [1, {"index": 0, '
+                  '"function": {"name": 4, "arguments": 5}}]}}], "usage": [], "model": 3}',
+                  'data: {"choices": [{"index": 0, "delta": {"content": "ok"}}]}'):
+        lines += ev.feed_event(event)
+    lines += ev.finish()
+    for line in lines:
+        EVENT.validate_python(json.loads(line.split("data: ", 1)[1]))
+    assert EVENT.validate_python(json.loads(lines[-1].split("data: ", 1)[1])).type \
+        == "response.completed"

@@ -86,12 +86,13 @@ class ResponseEvents:
                 message=str(err.get("message", "error")), param=err.get("param"))]
         if isinstance(chunk.get("model"), str):
             self.shape.model = chunk["model"]
-        if chunk.get("usage"):
+        if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         if isinstance(chunk.get("kv_stats"), dict):
             self.kv_stats = chunk["kv_stats"]
         out: list[str] = []
-        for choice in chunk.get("choices") or []:
+        choices = chunk.get("choices")
+        for choice in choices if isinstance(choices, list) else []:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
@@ -100,7 +101,8 @@ class ResponseEvents:
                 out += self._text("reasoning", reasoning)
             if isinstance(delta.get("content"), str) and delta["content"]:
                 out += self._text("message", delta["content"])
-            for call in delta.get("tool_calls") or []:
+            calls = delta.get("tool_calls")
+            for call in calls if isinstance(calls, list) else []:
                 if isinstance(call, dict):
                     out += self._call(call)
             if choice.get("finish_reason") is not None:
@@ -156,8 +158,9 @@ class ResponseEvents:
         fn = call.get("function") if isinstance(call.get("function"), dict) else {}
         if self.current is None or self.current.kind != "call" \
                 or self.current.chat_index != index:
-            item = call_item(call.get("id") or new_id("call"), fn.get("name") or "", "",
-                             status="in_progress")
+            call_id, name = call.get("id"), fn.get("name")
+            item = call_item(call_id if isinstance(call_id, str) and call_id else new_id("call"),
+                             name if isinstance(name, str) else "", "", status="in_progress")
             out += self._open("call", item, index)
         cur = self.current
         args = fn.get("arguments")

@@ -82,7 +82,8 @@ class ResponsesFront:
         resp = answer.response
         if resp.status_code != 200:
             return resp
-        headers = {k: v for k, v in resp.headers.items() if k.lower() == "x-request-id"}
+        headers = {k: v for k, v in resp.headers.items()
+                   if k.lower() in ("x-request-id", "cache-control")}
         if isinstance(resp, SSEResponse):
             return SSEResponse(self._events(resp, req, history, shape, api_key, answer),
                                on_close=_closer(resp), headers=headers)

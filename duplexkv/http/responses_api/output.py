@@ -44,14 +44,20 @@ def call_item(call_id: str, name: str, arguments: str, item_id: str | None = Non
             "name": name, "arguments": arguments, "status": status}
 
 
+def _text(v: Any) -> str:
+    return v if isinstance(v, str) else ""
+
+
 def usage(chat_usage: Any) -> dict | None:
     if not isinstance(chat_usage, dict):
         return None
-    p, c = chat_usage.get("prompt_tokens") or 0, chat_usage.get("completion_tokens") or 0
+    p, c = (v if isinstance(v, int) and not isinstance(v, bool) else 0
+            for v in (chat_usage.get("prompt_tokens"), chat_usage.get("completion_tokens")))
     details = chat_usage.get("prompt_tokens_details")
-    cached = (details or {}).get("cached_tokens") if isinstance(details, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    cached = cached if isinstance(cached, int) and not isinstance(cached, bool) else 0
     return {"input_tokens": p,
-            "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": p + c}
 
@@ -63,15 +69,16 @@ def items_of(message: dict, finish_reason: Any) -> list[dict]:
     if isinstance(reasoning, str) and reasoning:
         items.append(reasoning_item(reasoning))
     content = message.get("content")
-    calls = message.get("tool_calls") or []
+    calls = message.get("tool_calls")
+    calls = [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
     if (isinstance(content, str) and content) or not calls:  # an answer always has a message
         items.append(message_item(content if isinstance(content, str) else "",
                                   status="incomplete" if finish_reason == "length"
                                   else "completed"))
     for c in calls:
-        fn = c.get("function") or {}
-        items.append(call_item(c.get("id") or new_id("call"), fn.get("name") or "",
-                               fn.get("arguments") or ""))
+        fn = c.get("function") if isinstance(c.get("function"), dict) else {}
+        items.append(call_item(_text(c.get("id")) or new_id("call"), _text(fn.get("name")),
+                               _text(fn.get("arguments"))))
     return items
 
 
@@ -103,8 +110,9 @@ class ResponseShape:
 
     def from_chat(self, chat: dict) -> dict:
         """A chat-completions JSON answer -> the Response."""
-        choices = chat.get("choices") or [{}]
-        first = choices[0] if isinstance(choices[0], dict) else {}
+        choices = chat.get("choices")
+        first = choices[0] if isinstance(choices, list) and choices \
+            and isinstance(choices[0], dict) else {}
         message = first.get("message") if isinstance(first.get("message"), dict) else {}
         finish = first.get("finish_reason")
         if isinstance(chat.get("model"), str):
