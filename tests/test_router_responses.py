@@ -151,7 +151,10 @@ def check_chain(got: list, ref: list) -> None:
 
 def test_a_previous_response_id_chain_is_one_conversation(cluster):
     _p, _d, on, _off = cluster
+    before = on.metric("duplexkv_router_requests_total", endpoint="responses", outcome="ok")
     check_chain(chain(on), chain(on, reuse=False))
+    assert on.metric("duplexkv_router_requests_total", endpoint="responses",
+                     outcome="ok") == before + 6
 
 
 def test_a_chain_with_recognition_off_reuses_from_turn_3(cluster):

@@ -53,6 +53,7 @@ class ClientRequest:
     # a store key the Responses API names (the conversation of a previous_response_id chain:
     # router/responses.py); only without a conversation id
     conversation_key: str | None = None
+    responses_api: bool = False  # a /v1/responses request run as this chat turn
 
     @property
     def path(self) -> str:
@@ -60,7 +61,8 @@ class ClientRequest:
 
     @property
     def endpoint(self) -> str:
-        return ENDPOINTS[self.kind]
+        """The metrics' endpoint label."""
+        return "responses" if self.responses_api else ENDPOINTS[self.kind]
 
 
 def parse_client_request(raw: bytes, headers: Mapping[str, str], kind: Kind,
@@ -72,8 +74,8 @@ def parse_client_request(raw: bytes, headers: Mapping[str, str], kind: Kind,
 
 
 def client_request(body: dict, headers: Mapping[str, str], kind: Kind,
-                   api_key: str | None = None,
-                   conversation_key: str | None = None) -> ClientRequest:
+                   api_key: str | None = None, conversation_key: str | None = None,
+                   responses_api: bool = False) -> ClientRequest:
     """`body` parsed: as parse_client_request. `conversation_key`: the store key of the
     conversation it continues, used when it names no conversation id (router/responses.py)."""
     unlinked = body.get("conversation_id") == ""
@@ -85,7 +87,8 @@ def client_request(body: dict, headers: Mapping[str, str], kind: Kind,
     unlinked = unlinked and conv is None
     return ClientRequest(kind, body, body.get("stream") is True, body.get("model"), conv,
                          api_key, clean_request_id(headers.get("x-request-id")), unlinked,
-                         conversation_key if conv is None and not unlinked else None)
+                         conversation_key if conv is None and not unlinked else None,
+                         responses_api)
 
 
 def _conversation_id(value: Any, headers: Mapping[str, str]) -> str | None:

@@ -71,7 +71,7 @@ class ResponsesRoutes:
     async def _turn(self, request: Request, chat: dict, key: str | None, api_key: str | None,
                     arrival: float) -> ChatAnswer:
         """The chat turn; its error answers (a worker's 4xx, a 503) are the client's."""
-        req = client_request(chat, request.headers, "chat", api_key, key)
+        req = client_request(chat, request.headers, "chat", api_key, key, responses_api=True)
         models = self.pool.models()
         if req.model is not None and models and req.model not in models:
             raise model_not_found(req.model)
