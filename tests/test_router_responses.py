@@ -225,3 +225,112 @@ def test_stored_responses_belong_to_their_api_key(cluster, tmp):  # noqa: F811
         big = b'{"model": "tiny", "input": "' + b"x" * (5 << 20) + b'"}'
         resp = r.post("/v1/responses", big, authorization=f"Bearer {ka}")
         assert resp.status_code == 413 and resp.json()["error"]["type"] == "invalid_request_error"
+
+
+# --- fuzz: whatever a client sends to /v1/responses is a 2xx or a 4xx, never a 5xx ----------
+def _fuzz_strategies():
+    from hypothesis import strategies as st
+    from test_router_fuzz import FIELDS, headers, json_values, mangled, safe_text, text
+
+    part = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text",
+                                                           "input_image", "refusal", "x"]),
+                                  "text": st.one_of(safe_text, json_values)})
+    content = st.one_of(safe_text, st.lists(part, max_size=2), json_values)
+    item = st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system",
+                                                        "developer", "tool"]),
+                               "content": content}),
+        st.fixed_dictionaries({"type": st.just("function_call"),
+                               "call_id": st.one_of(safe_text, json_values),
+                               "name": st.sampled_from(["get_weather", "nope"]),
+                               "arguments": st.one_of(st.just('{"city": "Rome", "days": 2}'),
+                                                      json_values)}),
+        st.fixed_dictionaries({"type": st.just("function_call_output"),
+                               "call_id": st.one_of(safe_text, json_values),
+                               "output": st.one_of(safe_text, json_values)}),
+        st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference",
+                                                        "web_search_call"]),
+                               "content": st.lists(part, max_size=2)}),
+        json_values)
+    fields = {
+        "input": (st.one_of(safe_text.filter(bool), st.lists(item, min_size=1, max_size=4)),
+                  json_values),
+        "max_output_tokens": FIELDS["max_tokens"],
+        "model": FIELDS["model"], "stream": FIELDS["stream"],
+        "temperature": FIELDS["temperature"], "top_p": FIELDS["top_p"],
+        "instructions": (safe_text, json_values),
+        "store": (st.booleans(), json_values),
+        "previous_response_id": (st.none(), st.one_of(st.just("resp_unknown"), json_values)),
+        "tools": (st.just(TOOLS), st.one_of(st.lists(json_values, max_size=2), json_values)),
+        "tool_choice": (st.just("none"), st.one_of(st.sampled_from([
+            "required", "auto", {"type": "function", "name": "get_weather"}]), json_values)),
+        "text": (st.sampled_from([{"format": {"type": "text"}},
+                                  {"format": {"type": "json_object"}}]), json_values),
+        "metadata": (st.dictionaries(st.text("abc", max_size=3), st.text("xyz", max_size=3),
+                                     max_size=2), json_values),
+        "parallel_tool_calls": (st.booleans(), json_values),
+        "reasoning": (st.none(), json_values), "include": (st.just([]), json_values),
+        "background": (st.just(False), json_values),
+    }
+
+    @st.composite
+    def bodies(draw) -> dict:
+        names = ["input", "max_output_tokens", "model"] + draw(
+            st.lists(st.sampled_from(sorted(fields)[3:]), max_size=5, unique=True))
+        mode = draw(st.integers(0, 99))
+        bad = set() if mode < 20 else {draw(st.sampled_from(names))} if mode < 60 else set(names)
+        body = {n: draw(fields[n][n in bad]) for n in names}
+        if mode >= 60 and draw(st.integers(0, 9)) == 0:
+            body[draw(text)] = draw(json_values)
+        return body
+
+    raw = st.one_of(bodies().map(lambda b: json.dumps(b).encode()),
+                    mangled("chat").map(lambda b: b.replace(b'"messages"', b'"input"')))
+    return raw, headers
+
+
+def _check_answer(r, ctx: str) -> int:
+    assert r.status_code < 500, ctx
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}, ctx
+    elif r.headers.get("content-type", "").startswith("text/event-stream"):
+        last = [e for e in r.text.split("\n\n") if e.strip()][-1]
+        assert last.split("\n")[0] in ("event: response.completed", "event: response.incomplete",
+                                       "event: error"), ctx
+        assert "internal_server_error" not in r.text, ctx
+    else:
+        assert r.json()["object"] == "response", ctx
+    return r.status_code
+
+
+@pytest.mark.parametrize("target", ["worker", "router"])
+def test_fuzz_responses_never_5xx(cluster, target):
+    import os
+    from collections import Counter
+
+    import httpx
+    from hypothesis import HealthCheck, given, settings
+
+    _p, d, on, _off = cluster
+    url = d.url if target == "worker" else on.url
+    raw, headers = _fuzz_strategies()
+    seen: Counter[int] = Counter()
+    with httpx.Client(base_url=url, timeout=60) as client:
+        @settings(max_examples=int(os.environ.get("DUPLEXKV_FUZZ_EXAMPLES", "300")),
+                  deadline=None, database=None,
+                  derandomize=not os.environ.get("DUPLEXKV_FUZZ_RANDOM"),
+                  suppress_health_check=list(HealthCheck))
+        @given(content=raw, extra=headers)
+        def run(content: bytes, extra: dict) -> None:
+            h = {"content-type": "application/json", **extra}
+            if target == "worker":
+                h.pop("authorization", None)
+            r = client.post("/v1/responses", content=content, headers=h)
+            seen[_check_answer(r, f"{content[:300]!r} {extra!r}: {r.status_code} "
+                                  f"{r.text[:500]}")] += 1
+
+        run()
+        print(f"{target}: {dict(sorted(seen.items()))}")
+        assert seen[200] >= sum(seen.values()) // 20, seen  # the workers are reached too
+        assert client.post("/v1/responses", json={"model": "tiny", "input": "hi",
+                                                  "max_output_tokens": 2}).status_code == 200
