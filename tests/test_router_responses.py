@@ -55,8 +55,8 @@ def cluster(tiny_model_dir, tmp):  # noqa: F811 - test_router's fixture
 def run_agent(url: str) -> tuple[list, list, str]:
     """A streamed agent whose every turn is a forced call of its one tool, stopped after three
     calls -> (the calls the tool ran, the model's response ids, the final output)."""
-    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, ToolsToFinalOutputResult,
-                        function_tool, set_tracing_disabled)
+    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner,
+                        ToolsToFinalOutputResult, function_tool, set_tracing_disabled)
 
     set_tracing_disabled(True)
     ran: list = []
@@ -178,6 +178,33 @@ def test_a_second_router_on_one_redis_continues_the_chain(cluster, redis_url, tm
         assert rb.get(f"/v1/responses/{got[0].id}").json()["id"] == got[0].id
         rb.client().responses.delete(got[2].id)
         assert ra.get(f"/v1/responses/{got[2].id}").status_code == 404
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_through_p_and_d_a_response_equals_one_worker(cluster, stream):
+    """The router's answer (P leg + D leg) equals D's own answer to the same request: forced
+    tool calls, text with a reasoning trace, a json_schema format (ids aside)."""
+    _p, d, on, _off = cluster
+    requests = [dict(input=TASK, tools=TOOLS, tool_choice="required"),
+                dict(input="Think first, then say hello.", instructions="Be brief."),
+                dict(input="Give the weather as JSON.", text={"format": {
+                    "type": "json_schema", "name": "weather", "schema": WEATHER,
+                    "strict": True}})]
+    for kw in requests:
+        got = []
+        for url in (on.url, d.url):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            if stream:
+                events = list(client.responses.create(model="tiny", temperature=0,
+                                                      max_output_tokens=48, stream=True, **kw))
+                r = events[-1].response
+                got.append([e.type for e in events])
+            else:
+                r = client.responses.create(model="tiny", temperature=0, max_output_tokens=48,
+                                            **kw)
+            got.append((r.status, [i.model_dump(exclude={"id", "call_id"}) for i in r.output]))
+        half = len(got) // 2
+        assert got[:half] == got[half:], kw
 
 
 def test_errors_through_the_router(cluster):
