@@ -29,6 +29,11 @@ CALL = {"id": "call_1", "type": "function",
 
 def test_input_items_become_chat_messages():
     assert input_messages("hi") == [{"role": "user", "content": "hi"}]
+    assert input_messages([{"type": "reasoning", "content": []}]) == []  # nothing to carry
+    assert input_messages([{"type": "reasoning", "summary": [{"type": "summary_text",
+                                                              "text": "s"}]},
+                           {"role": "assistant", "content": "a"}]) \
+        == [{"role": "assistant", "content": "a", "reasoning": "s"}]
     items = [
         {"role": "developer", "content": "be brief"},
         {"type": "message", "role": "user",
@@ -61,6 +66,8 @@ def test_input_items_become_chat_messages():
      "input[0].content[0]"),
     ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0].call_id"),
     (["text"], "input[0]"),
+    ([{"type": "reasoning", "content": [], "summary": [{"type": "input_image"}]}],
+     "input[0].summary[0]"),
 ])
 def test_bad_items_name_the_field(items, param):
     with pytest.raises(APIError) as e:

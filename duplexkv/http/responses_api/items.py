@@ -54,8 +54,9 @@ def input_messages(v: Any) -> list[dict]:
             out.append({"role": "tool", "tool_call_id": _str(item, "call_id", where),
                         "content": _output(item.get("output"), where)})
         elif kind == "reasoning":
-            reasoning += [t for t in (_part_texts(item.get("content"), where)
-                                      or _part_texts(item.get("summary"), where)) if t]
+            texts = _part_texts(item.get("content"), f"{where}.content") \
+                or _part_texts(item.get("summary"), f"{where}.summary") or []
+            reasoning += [t for t in texts if t]
         else:
             raise bad_request(f"`{where}.type` {kind!r:.40} is not supported by this server "
                               "(message, function_call, function_call_output and reasoning "
