@@ -285,3 +285,39 @@ def test_odd_chat_chunks_still_make_valid_events():
         EVENT.validate_python(json.loads(line.split("data: ", 1)[1]))
     assert EVENT.validate_python(json.loads(lines[-1].split("data: ", 1)[1])).type \
         == "response.completed"
+
+
+def test_any_json_body_is_a_request_or_a_400():
+    """No process: any JSON object, and item lists of any shape, parse or raise a 400."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    keys = st.sampled_from(["input", "tools", "tool_choice", "text", "instructions", "store",
+                            "reasoning", "metadata", "max_output_tokens", "stream", "model",
+                            "previous_response_id", "truncation", "background", "x"])
+    values = st.recursive(
+        st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
+                  st.text(max_size=5), st.sampled_from(["function", "message", "reasoning",
+                                                        "function_call", "input_text",
+                                                        "json_schema", "user", "text"])),
+        lambda kids: st.one_of(st.lists(kids, max_size=3),
+                               st.dictionaries(st.sampled_from(
+                                   ["type", "role", "content", "text", "name", "call_id",
+                                    "arguments", "output", "summary", "format", "schema",
+                                    "parameters"]), kids, max_size=4)), max_leaves=12)
+
+    import os
+
+    @settings(max_examples=int(os.environ.get("DUPLEXKV_FUZZ_EXAMPLES", "300")), deadline=None,
+              database=None, derandomize=not os.environ.get("DUPLEXKV_FUZZ_RANDOM"),
+              suppress_health_check=list(HealthCheck))
+    @given(body=st.dictionaries(keys, values, max_size=6), items=st.lists(values, max_size=4))
+    def run(body: dict, items: list) -> None:
+        for call in (lambda: parse_responses_request(body).chat_body([]),
+                     lambda: input_messages(items)):
+            try:
+                call()
+            except APIError as e:
+                assert e.status == 400
+
+    run()
