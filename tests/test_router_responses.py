@@ -343,7 +343,7 @@ def test_fuzz_responses_never_5xx(cluster, target):
     raw, headers = _fuzz_strategies()
     seen: Counter[int] = Counter()
     with httpx.Client(base_url=url, timeout=60) as client:
-        @settings(max_examples=int(os.environ.get("DUPLEXKV_FUZZ_EXAMPLES", "300")),
+        @settings(max_examples=int(os.environ.get("DUPLEXKV_FUZZ_EXAMPLES", "200")),
                   deadline=None, database=None,
                   derandomize=not os.environ.get("DUPLEXKV_FUZZ_RANDOM"),
                   suppress_health_check=list(HealthCheck))
