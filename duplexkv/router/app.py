@@ -5,6 +5,8 @@ layer, so the hot path stays short).
     POST /v1/messages  Anthropic's Messages API: run as a chat turn, answered in its shapes
                        (http/messages.py); recognised from its messages like any chat turn
     POST /v1/messages/count_tokens   checked here, counted by a worker (healthy ones first)
+    POST /v1/responses, GET|DELETE /v1/responses/{id}
+                       OpenAI's Responses API as a chat turn (responses.py)
     GET  /v1/models    the workers' models (from the first healthy worker that answers)
     GET  /health       per-backend state; 503 while no P or no D is healthy; status "degraded"
                        (200) while the conversation store is failing (turns run as misses);
@@ -45,11 +47,13 @@ from duplexkv.router.config import RouterConfig
 from duplexkv.router.conversation import routes as conversation_routes
 from duplexkv.router.conversation.lifecycle import LeaseKeeper, LifecycleMetrics
 from duplexkv.router.conversation.recall import Conversations
+from duplexkv.router.conversation.response_store import make_response_store
 from duplexkv.router.conversation.store import ConversationStore, make_store
 from duplexkv.router.discovery import Discovery
 from duplexkv.router.health import HealthChecker
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.request import ENDPOINTS, Kind, parse_client_request
+from duplexkv.router.responses import ResponsesRoutes
 from duplexkv.router.turn.calls import Relayed
 from duplexkv.router.turn.context import Turn
 from duplexkv.router.turn.runner import TurnRunner
@@ -78,6 +82,10 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
     keeper = LeaseKeeper(None, cfg.worker_headers(), cfg.lease_renew_period_s,
                          cfg.request_timeout_s, LifecycleMetrics(metrics.registry))
     conversations = Conversations(store, metrics, cfg.rewrite_remote_host, keeper)
+    responses = ResponsesRoutes(cfg, pool, metrics,
+                                make_response_store(cfg.store, cfg.conversation_ttl_s,
+                                                    cfg.store_timeout_s),
+                                lambda: state["turns"])
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -104,6 +112,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
             await warmer.stop()
             await upstream.aclose()
             await store.close()
+            await responses.store.close()
 
     async def generate(request: Request, kind: Kind,
                        translate: Callable[[dict], dict] | None = None) -> Response:
@@ -211,6 +220,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
               Route("/health", health, methods=["GET"]),
               Route("/metrics", prometheus, methods=["GET"]),
               Route("/version", version_endpoint, methods=["GET"]),
+              *responses.routes(),
               *conversation_routes.routes(store, keeper, cfg.keepalive_s,
                                           cfg.conversation_ttl_s)]
     app = Starlette(routes=routes, lifespan=lifespan,
@@ -219,7 +229,8 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
                     exception_handlers={HTTPException: http_error, Exception: unexpected})
     app.state.pool, app.state.store, app.state.metrics = pool, store, metrics
     app.state.discovery = discovery
-    debug_memory.add_route(app, lambda: {"store": store.held_here()})
+    debug_memory.add_route(app, lambda: {"store": store.held_here(),
+                                         "responses": responses.store.held_here()})
     app.state.auth_summary = (f"{len(cfg.api_keys)} client API key(s)" if cfg.api_keys else
                               "no client API key") + (", a worker API key" if cfg.worker_api_key
                                                       else ", no worker API key")

@@ -50,6 +50,10 @@ class ClientRequest:
     # `conversation_id: ""`: the request continues no conversation (nothing is recognised from
     # its content either: conversation/recognise.py)
     unlinked: bool = False
+    # a store key the Responses API names (the conversation of a previous_response_id chain:
+    # router/responses.py); only without a conversation id
+    conversation_key: str | None = None
+    responses_api: bool = False  # a /v1/responses request run as this chat turn
 
     @property
     def path(self) -> str:
@@ -57,7 +61,8 @@ class ClientRequest:
 
     @property
     def endpoint(self) -> str:
-        return ENDPOINTS[self.kind]
+        """The metrics' endpoint label."""
+        return "responses" if self.responses_api else ENDPOINTS[self.kind]
 
 
 def parse_client_request(raw: bytes, headers: Mapping[str, str], kind: Kind,
@@ -70,15 +75,25 @@ def parse_client_request(raw: bytes, headers: Mapping[str, str], kind: Kind,
     body = parse_json(raw, max_depth)
     if translate is not None:
         body = translate(body)
+    return client_request(body, headers, kind, api_key)
+
+
+def client_request(body: dict, headers: Mapping[str, str], kind: Kind,
+                   api_key: str | None = None, conversation_key: str | None = None,
+                   responses_api: bool = False) -> ClientRequest:
+    """`body` parsed: as parse_client_request. `conversation_key`: the store key of the
+    conversation it continues, used when it names no conversation id (router/responses.py)."""
     unlinked = body.get("conversation_id") == ""
     conv = _conversation_id(body.pop("conversation_id", None), headers)
     body.pop("kv_transfer_params", None)  # never trusted from a client
     # the worker's own validation: the same 400s with or without us; tools, tool_choice,
     # response_format and structured_outputs are checked for shape and passed on as they are
     parse_request(body, kind, ROUTER)
+    unlinked = unlinked and conv is None
     return ClientRequest(kind, body, body.get("stream") is True, body.get("model"), conv,
-                         api_key, clean_request_id(headers.get("x-request-id")),
-                         unlinked and conv is None)
+                         api_key, clean_request_id(headers.get("x-request-id")), unlinked,
+                         conversation_key if conv is None and not unlinked else None,
+                         responses_api)
 
 
 def _conversation_id(value: Any, headers: Mapping[str, str]) -> str | None:

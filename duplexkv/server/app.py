@@ -3,6 +3,7 @@
 
     POST /v1/completions, /v1/chat/completions   (serving.OpenAIServing)
     POST /v1/messages    Anthropic's Messages API, run as a chat request (http/messages.py)
+    POST /v1/responses, GET|DELETE /v1/responses/{id}   (responses_routes: the chat path)
     POST /tokenize, /detokenize                  (tokenize, vLLM's shapes)
     GET  /v1/models, /version, /health, /metrics, /debug/engine
 
@@ -33,7 +34,7 @@ from duplexkv.http.version import version_endpoint
 from duplexkv.engine.state import EngineSnapshot
 from duplexkv.server.chat_output import ChatParsing
 from duplexkv.server.metrics import ServerMetrics
-from duplexkv.server import tokenize
+from duplexkv.server import responses_routes, tokenize
 from duplexkv.server.serving import OpenAIServing
 
 log = logging.getLogger("duplexkv.server")
@@ -137,8 +138,10 @@ def build_app(aeng: AsyncEngine, served_model_names: str | Sequence[str],
         return Response(metrics.render(), media_type=metrics.content_type)
 
     tokenize.add_routes(app, serving)
+    responses_routes.add_routes(app, serving)
     app.add_route("/version", version_endpoint, methods=["GET"])
-    debug_memory.add_route(app, lambda: _structures(aeng, serving))
+    debug_memory.add_route(app, lambda: {**_structures(aeng, serving),
+                                         "responses.stored": app.state.responses.store.held_here()})
     return app
 
 

@@ -103,19 +103,22 @@ class OpenAIServing:
         # parsing, templating and tokenizing run here, never on the event loop
         self.prep_pool = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="prepare")
 
-    def _prepare(self, raw: bytes, kind: Kind, translate: Translate | None = None) -> Prepared:
-        body = parse_json(raw)
+    def _prepare(self, raw: bytes | dict, kind: Kind,
+                 translate: Translate | None = None) -> Prepared:
+        body = parse_json(raw) if isinstance(raw, bytes) else raw
         return prepare(self.aeng.engine, self.names, translate(body) if translate else body,
                        kind, self.features)
 
-    async def handle(self, request: Request, kind: Kind,
-                     translate: Translate | None = None) -> Response:
+    async def handle(self, request: Request, kind: Kind, translate: Translate | None = None,
+                     body: dict | None = None) -> Response:
         """`translate`: the body of another API -> the `kind` request that runs it (an
-        APIError for what it cannot run), e.g. Anthropic's Messages -> chat."""
+        APIError for what it cannot run), e.g. Anthropic's Messages -> chat. `body`: the
+        request already read and parsed (the Responses API's chat request)."""
         endpoint, arrival = ENDPOINT[kind], time.perf_counter()
         try:
             try:
-                raw = await read_body(request, self.max_request_bytes)
+                raw = body if body is not None else \
+                    await read_body(request, self.max_request_bytes)
             except ClientDisconnect:
                 return Response(status_code=499)
             if self.aeng.dead:

@@ -60,11 +60,14 @@ class Conversations:
         self._warned: set[str] = set()  # D workers already logged as not retaining
 
     async def recall(self, api_key: str | None, conversation_id: str | None,
-                     request_id: str, recognition: Recognition | None = None) -> Recalled:
-        """The entry of the conversation the request names, else of the one its content
-        continues (`recognition`: the prefixes to look up, newest first; an explicit id wins)."""
+                     request_id: str, recognition: Recognition | None = None,
+                     key: str | None = None) -> Recalled:
+        """The entry of the conversation the request names (by id, or by its store `key`: a
+        Responses chain's), else of the one its content continues (`recognition`: the
+        prefixes to look up, newest first; an explicit id wins)."""
         if conversation_id is not None:
             key = conversation_key(api_key, conversation_id)
+        if key is not None:
             return self._classify(key, await self._take(key, request_id))
         if recognition is None:
             return Recalled(None, None, "none")

@@ -71,6 +71,7 @@ def recognition_of(req: ClientRequest) -> Recognition | None:
     body = req.body
     messages = body.get("messages")
     if (req.kind != "chat" or req.conversation_id is not None or req.unlinked
+            or req.conversation_key is not None
             or not isinstance(messages, list) or not messages or body.get("n") not in (None, 1)):
         return None
     ends = []

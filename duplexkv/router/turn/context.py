@@ -1,9 +1,9 @@
 """One client request as a turn: what it is (frozen) and what it reports while it runs.
 
     Turn        the client's request, its id (the client's X-Request-Id, else a fresh one) and
-                its arrival on the router's clock; two records the steps fill in: `stats` (the
-                answer's kv_stats, legs.TurnStats) and `waited` (time spent waiting for workers:
-                the router's own overhead is the rest)
+                its arrival on the router's clock; records the steps fill in: `stats` (the
+                answer's kv_stats, legs.TurnStats), `waited` (time spent waiting for workers:
+                the router's own overhead is the rest) and `kept` (where D's params went)
 """
 
 from __future__ import annotations
@@ -22,6 +22,14 @@ class WorkerWait:
     seconds: float = 0.0
 
 
+@dataclass(slots=True)
+class KeptAt:
+    """The store key the D leg left the conversation's entry under (None: nothing kept; a
+    recognised conversation's key moves with every turn): a Responses chain continues there."""
+
+    key: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Turn:
     req: ClientRequest
@@ -29,6 +37,7 @@ class Turn:
     arrival: float  # time.perf_counter() when the request reached the router
     stats: TurnStats = field(default_factory=TurnStats)
     waited: WorkerWait = field(default_factory=WorkerWait)
+    kept: KeptAt = field(default_factory=KeptAt)
 
     @classmethod
     def start(cls, req: ClientRequest, arrival: float) -> Turn:

@@ -101,7 +101,8 @@ class DecodeLeg:
                         answer: Callable[[], dict | None], params: dict | None,
                         tokens: list[int] | None) -> None:
         """`answer()`: the assistant message D produced (a recognised conversation's key)."""
-        await self.conversations.remember(order.next_key(answer), d.url,
+        turn.kept.key = key = order.next_key(answer)
+        await self.conversations.remember(key, d.url,
                                           with_prompt_chars(params, order.prompt_chars),
                                           turn.request_id, tokens, order.key)
 

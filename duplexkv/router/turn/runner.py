@@ -59,7 +59,8 @@ class TurnRunner:
         req = turn.req
         recognition = recognition_of(req) if self.cfg.recognise else None
         recalled = await self.conversations.recall(req.api_key, req.conversation_id,
-                                                   turn.request_id, recognition)
+                                                   turn.request_id, recognition,
+                                                   req.conversation_key)
         turn.stats.recognised = recalled.recognised
         holder = self.pool.decode_at(recalled.entry.decode_url) if recalled.entry else None
         plan = plan_turn(req, recalled, holder.view() if holder else None, self.cfg.placement)
