@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import zmq
 
-from duplexkv.engine.block_manager import hash_token_blocks, seed_tag
+from duplexkv.engine.block_manager import hash_token_blocks, salt_tag
 from duplexkv.engine.builder import model_fingerprint
 from duplexkv.kv.retention import MAX_MISSES, RetentionTable
 from duplexkv.launch import Cluster, ClusterSpec
@@ -66,7 +66,7 @@ def test_router_salt_is_per_key_and_never_the_key() -> None:
 def test_a_verify_tells_whole_blocks_only_and_a_few_misses_end_the_entry() -> None:
     seed = b"fingerprint-0123"
     held = list(range(100, 127))  # 27 tokens: a full block and 11 in the next
-    tag, hashes = seed_tag(seed), hash_token_blocks(seed, held, 16)
+    tag, hashes = salt_tag(seed, None), hash_token_blocks(seed, held, 16)
 
     def fresh() -> RetentionTable:
         t = RetentionTable(16, seed)
@@ -75,7 +75,7 @@ def test_a_verify_tells_whole_blocks_only_and_a_few_misses_end_the_entry() -> No
 
     assert fresh().verify_and_claim("r", hashes, held, 10, tag).matched_tokens == 27
     other = fresh()  # another cache_salt: nothing, not even the first block
-    assert other.verify_and_claim("r", hashes, held, 10, seed_tag(b"salted")).matched_tokens == 0
+    assert other.verify_and_claim("r", hashes, held, 10, salt_tag(seed, "b")).matched_tokens == 0
     t = fresh()
     for k in range(17, 27):  # right up to token k, wrong after: the block, never k
         r = t.verify_and_claim("r", hashes, held[:k] + [9] * (27 - k), 10, tag)
@@ -111,14 +111,14 @@ def test_without_a_secret_d_pulls_from_no_holder_named_in_params(open_pd, oracle
 
 
 def _verify(addr: tuple[str, int], rid: str, tokens: list[int], seed: bytes) -> dict:
-    """A plain ZMQ peer's verify (msgpack ["verify", id, hashes, tokens, seed tag])."""
+    """A plain ZMQ peer's verify (msgpack ["verify", id, hashes, tokens]: unsalted)."""
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     try:
         sock.connect(f"tcp://{addr[0]}:{addr[1]}")
         sock.send(msgspec.msgpack.encode(
-            ["verify", rid, hash_token_blocks(seed, tokens, 16), tokens, seed_tag(seed)]))
+            ["verify", rid, hash_token_blocks(seed, tokens, 16), tokens]))
         return msgspec.msgpack.decode(sock.recv())
     finally:
         sock.close(0)

@@ -41,10 +41,12 @@ def salted(seed: bytes, salt: str | None) -> bytes:
     return hashlib.blake2b(seed + b"\x00cache_salt\x00" + salt.encode(), digest_size=16).digest()
 
 
-def seed_tag(seed: bytes) -> bytes:
-    """A short public tag of a (salted) seed: a verify presents it, so a prompt shorter than a
-    block still matches only an entry of its own salt (kv/retention.py)."""
-    return hashlib.blake2b(seed, digest_size=8, person=b"duplexkv-tag").digest()
+def salt_tag(seed: bytes, salt: str | None) -> bytes:
+    """A short public tag of a salted seed (b"" without a salt): a verify presents it, so even a
+    prompt shorter than a block matches only an entry of its own salt (kv/retention.py)."""
+    if not salt:
+        return b""
+    return hashlib.blake2b(salted(seed, salt), digest_size=8, person=b"duplexkv-tag").digest()
 
 
 def hash_token_blocks(seed: bytes, token_ids: Seq[int], block_size: int) -> list[bytes]:

@@ -37,7 +37,7 @@ class Verify(msgspec.Struct, array_like=True, tag="verify", tag_field="kind"):
     hashes: Annotated[list[Annotated[bytes, Meta(max_length=64)]],
                       Meta(max_length=MAX_TOKENS // 16)]
     tokens: Annotated[list[Annotated[int, Meta(ge=0, le=1 << 31)]], Meta(max_length=MAX_TOKENS)]
-    # the reader's hash seed's tag (its request's cache_salt): must equal the entry's
+    # the tag of the reader's request's cache_salt (b"": none): must equal the entry's
     seed_tag: Annotated[bytes, Meta(max_length=32)] = b""
 
 

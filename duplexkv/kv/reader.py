@@ -25,7 +25,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from duplexkv.engine.block_manager import hash_token_blocks, salted, seed_tag
+from duplexkv.engine.block_manager import hash_token_blocks, salt_tag, salted
 from duplexkv.engine.kv_transfer import (
     ConnectorEvent,
     EngineHost,
@@ -89,9 +89,9 @@ class Reader:
             self.results.put(Verified(seq.request_id, None, None, "untrusted", why))
             return
         tokens = seq.prompt_token_ids[: p.remote_num_tokens]
-        seed = salted(self.layout.fingerprint, seq.params.cache_salt)  # the holder's, same salt
-        hashes = hash_token_blocks(seed, tokens, self.bs)
-        rid, tag = seq.request_id, seed_tag(seed)
+        fp, salt = self.layout.fingerprint, seq.params.cache_salt  # the holder's, same salt
+        hashes = hash_token_blocks(salted(fp, salt), tokens, self.bs)
+        rid, tag = seq.request_id, salt_tag(fp, salt)
 
         def verify() -> bool:  # on a kv-net thread
             res, behaved = self.client.verify(rid, p, hashes, tokens, tag)

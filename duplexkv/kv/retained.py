@@ -29,7 +29,7 @@ class Retained:
     renewed_at: float = 0.0  # last renewal by the router (0: never)
     deleted: bool = False  # its conversation was deleted: released at the next engine poll
     rhythm: eviction.Rhythm = field(default_factory=eviction.Rhythm)
-    seed_tag: bytes = b""  # its request's hash seed (cache_salt): readers must present it
+    seed_tag: bytes = b""  # its request's cache_salt's tag (b"": none): readers must present it
     misses: int = 0  # verifies that matched less than the whole entry (retention.py)
 
     def claimed(self, now: float) -> bool:

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from duplexkv.engine.block_manager import hash_token_blocks, salted, seed_tag
+from duplexkv.engine.block_manager import hash_token_blocks, salt_tag, salted
 from duplexkv.kv import eviction
 from duplexkv.kv.claims import Claims, Grants
 from duplexkv.kv.release_log import Released, ReleaseLog
@@ -62,13 +62,12 @@ class RetentionTable:
             duration_s: float, cap_s: float | None = None, salt: str | None = None) -> Retained:
         """Hold for `duration_s`; renewals (kind "ttl") never past `cap_s` from now. `salt`: the
         request's cache_salt (a reader must hash with the same)."""
-        seed = salted(self.seed, salt)
-        hashes = hash_token_blocks(seed, token_ids, self.block_size)
+        hashes = hash_token_blocks(salted(self.seed, salt), token_ids, self.block_size)
         now = self.clock()
         cap = now + cap_s if cap_s is not None else float("inf")
         entry = Retained(request_id, list(block_ids), list(token_ids), hashes, kind,
                          min(now + duration_s, cap), created=now, cap=cap,
-                         seed_tag=seed_tag(seed))
+                         seed_tag=salt_tag(self.seed, salt))
         with self._lock:
             if kind == "ttl":
                 entry.rhythm = self._conversations.turn(hashes, now)
