@@ -220,6 +220,8 @@ def test_cluster_locks_workers_and_the_kv_plane_without_being_asked(tiny_model_d
         assert r.json()["kv_stats"]["decode"]["pulled_tokens"] > 0  # signed pulls still work
         for w in cluster.workers:
             assert httpx.get(w.url + "/v1/models", timeout=30).status_code == 401
+            assert httpx.get(w.url + "/debug/engine", headers=cluster.worker_headers(),
+                             timeout=30).status_code == 200  # the benchmarks' own reads
             environ = Path(f"/proc/{w.proc.pid}/environ").read_bytes().split(b"\0")
             secret = [e for e in environ if e.startswith(b"DUPLEXKV_KV_SECRET=")]
             assert secret and len(secret[0]) > 40, "no KV secret in the worker's environment"

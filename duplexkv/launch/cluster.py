@@ -79,6 +79,7 @@ class Cluster:
     log_dir: Path = field(init=False)
     workers: list[Proc] = field(default_factory=list, init=False)
     router: Proc | None = field(default=None, init=False)
+    worker_api_key: str | None = field(default=None, init=False, repr=False)  # set by start()
 
     def __post_init__(self) -> None:
         self.log_dir = self.spec.log_dir or Path(tempfile.mkdtemp(prefix="duplexkv-up-"))
@@ -110,7 +111,7 @@ class Cluster:
 
         resolve_model(s.model)  # a preset is made once here, not raced by every worker
         kv = bidirectional_kv(s.connector, s.bidirectional, **s.kv_extra)
-        worker_key = s.worker_api_key or secrets.token_urlsafe(24)
+        worker_key = self.worker_api_key = s.worker_api_key or secrets.token_urlsafe(24)
         worker_env = {API_KEY_ENV: worker_key, WORKER_API_KEY_ENV: None}  # None: unset
         # (their KV secret: $DUPLEXKV_KV_SECRET, else the launcher's random one, process.py)
         router_secret = os.environ.get(ROUTER_SECRET_ENV) or secrets.token_hex(32)
@@ -133,6 +134,10 @@ class Cluster:
             self.stop()
             raise
         return self
+
+    def worker_headers(self) -> dict[str, str]:
+        """What a caller of a worker's guarded paths (/v1/..., /debug/...) must send."""
+        return {"authorization": f"Bearer {self.worker_api_key}"} if self.worker_api_key else {}
 
     def dead(self) -> Proc | None:
         """The first process that has exited, if any."""
