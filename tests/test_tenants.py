@@ -85,6 +85,29 @@ def test_a_verify_tells_whole_blocks_only_and_a_few_misses_end_the_entry() -> No
     assert t.get("r").misses == MAX_MISSES and t.get("r").deleted
 
 
+def test_cache_salt_isolates_one_engines_prefix_cache(tiny_model_dir, oracle):
+    """vLLM's `cache_salt` on one engine: a request hits only blocks cached under its own salt,
+    and the answer equals the engine without reuse either way."""
+    from duplexkv import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    want = oracle(PROMPT, 4).token_ids
+
+    def hit(salt: str | None) -> int:
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0,
+                                                    ignore_eos=True, cache_salt=salt))[0]
+        assert out.token_ids == want
+        return out.kv_stats.local_hit_tokens
+
+    assert hit("tenant-a") == 0
+    assert hit("tenant-b") == 0 and hit(None) == 0  # A's blocks count for no one else
+    # each finds its own: 4 of the 5 blocks (the last holds the last prompt token, computed)
+    assert hit("tenant-a") == 64 and hit(None) == 64
+    for bad in ("", 7, "x" * 257):
+        with pytest.raises(ValueError, match="cache_salt"):
+            SamplingParams(cache_salt=bad)
+
+
 # (a), (b): workers started by hand without a secret -------------------------------------------
 @pytest.fixture(scope="module")
 def open_pd(tiny_model_dir, tmp):
