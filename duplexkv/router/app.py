@@ -75,7 +75,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
     keeper = LeaseKeeper(None, cfg.worker_headers(), cfg.lease_renew_period_s,
                          cfg.request_timeout_s, LifecycleMetrics(metrics.registry))
     conversations = Conversations(store, metrics, cfg.rewrite_remote_host, keeper)
-    salter = Salter.from_env(cfg.share_kv_cache)
+    salter = Salter.from_env(cfg.share_kv_cache, bool(cfg.api_keys) and cfg.store != "memory")
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 
 from duplexkv.http.auth import ROUTER_SECRET_ENV
 
 SALT_FIELD = "cache_salt"
+log = logging.getLogger(__name__)
 
 
 class Salter:
@@ -34,8 +36,14 @@ class Salter:
         return f"Salter(share={self.share})"
 
     @classmethod
-    def from_env(cls, share: bool = False) -> Salter:
+    def from_env(cls, share: bool = False, shared_store: bool = False) -> Salter:
+        """`shared_store`: keyed salts with a store that outlives this process (Redis)."""
         raw = os.environ.get(ROUTER_SECRET_ENV, "").strip()
+        if not raw and shared_store and not share:
+            log.warning("no $%s: the per-key cache salts are random for this router process, so "
+                        "stored conversations reuse nothing after a restart or through another "
+                        "router (set the same secret on every router of the store)",
+                        ROUTER_SECRET_ENV)
         return cls(raw.encode() if raw else None, share)
 
     def salt(self, api_key: str, client_salt: str | None = None) -> str:
