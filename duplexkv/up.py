@@ -3,7 +3,9 @@
 Workers take free ports; the router takes --port (default 8000, or a free port when 8000 is
 taken). Every process logs to its own file. A process that fails to start (or dies later) stops
 the whole cluster and its log's last lines are printed. With --api-key (or $DUPLEXKV_API_KEY) the
-router requires a key and the workers one of their own (--worker-api-key, or a random one).
+router requires a key. The workers always require one of their own that only the router holds
+(--worker-api-key, or a random one) and share a KV cluster secret ($DUPLEXKV_KV_SECRET, or a
+random one): on a shared host no other local user reaches a worker or the KV plane.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def add_up(sub: argparse._SubParsersAction) -> None:
                         "comma-separated; else none)")
     p.add_argument("--worker-api-key", default=None, metavar="KEY",
                    help=f"the workers' key, sent by the router (default: ${WORKER_API_KEY_ENV}; "
-                        "else a random one when the router has keys, none otherwise)")
+                        "else a random one)")
     p.set_defaults(run=run_up)
 
 

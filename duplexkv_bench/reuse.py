@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--auth-only compares the pulls with and without --secret: add --secret")
     max_len = max(args.lengths) + args.new_tokens + 64
     common = ["--max-model-len", str(max(max_len, 4096)), "--kv-cache-memory", "1.0"]
-    kv = bidirectional_kv(args.connector)
+    kv = bidirectional_kv(args.connector, insecure_kv=True)  # the baseline has no secret
     logs = Path(tempfile.mkdtemp(prefix="duplexkv-reuse-"))
     plain = {"DUPLEXKV_KV_SECRET": ""}  # the baseline runs without a secret, whatever is set
     procs = [

@@ -137,9 +137,12 @@ class Load:
             await asyncio.gather(*(one_client() for _ in range(self.clients)))
 
 
+AUTH: dict[str, str] = {}  # the cluster's worker key (its workers guard /debug/...)
+
+
 def get_json(url: str, timeout: float = 30) -> dict | None:
     try:
-        r = httpx.get(url, timeout=timeout, trust_env=False)
+        r = httpx.get(url, timeout=timeout, trust_env=False, headers=AUTH)
         return r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
@@ -244,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     integrity: dict[str, str] = {}
     try:
         cluster.start()
+        AUTH.update(cluster.worker_headers())
         procs = [cluster.router, *cluster.prefill, *cluster.decode]
         names = {"prefill-0": "P", "decode-0": "D"}
         load = Load(cluster.url, args.model, tok, args.clients, args.max_context, args.seed,

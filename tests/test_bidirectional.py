@@ -89,12 +89,15 @@ def declined(w, reason: str) -> float:
 
 def expected_pull(retained: list[int], prompt: list[int], threshold: int = 64) -> tuple[int, str]:
     """What P (no local prefix cache) must pull from D's retained `retained` tokens for `prompt`:
-    the true common prefix (all but P's last prompt token), if it reaches the threshold."""
+    the true common prefix (all but P's last prompt token), if it reaches the threshold. The
+    holder tells whole blocks of it unless it is all of `retained` (docs/security.md)."""
     common = 0
     for a, b in zip(retained, prompt):
         if a != b:
             break
         common += 1
+    if common < len(retained):
+        common -= common % 16
     usable = min(common, len(prompt) - 1)
     if common == 0:
         return 0, "mismatch"
@@ -203,13 +206,13 @@ CASES = {
 }
 # what each case must come to (checked against the computed common prefix as well)
 CASE_OUTCOME = {"edited_history": "pulled", "rewritten_answer": "pulled",
-                "other_conversation": "threshold"}
+                "other_conversation": "mismatch"}  # less than a block in common: told nothing
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_mismatched_history_falls_back_to_the_matching_prefix(cluster, oracle, case):
     """P pulls exactly the true common prefix of D's retained tokens and its prompt (verified
-    token by token), and reports exactly one outcome."""
+    token by token, told in whole blocks), and reports exactly one outcome."""
     _, p, d, _ = cluster
     first = [{"role": "system", "content": SYSTEM},
              {"role": "user", "content": "tool output: " + "fail; " * 30}]
@@ -232,7 +235,8 @@ def test_mismatched_history_falls_back_to_the_matching_prefix(cluster, oracle, c
 
 def test_retokenised_answer_reuses_only_what_matches(cluster, oracle):
     """The answer's text re-tokenises differently from the generated ids: only verified blocks
-    are pulled, and the output is still the oracle's."""
+    are pulled (whole blocks: a verify tells no count inside a block, docs/security.md), and
+    the output is still the oracle's."""
     _, p, d, _ = cluster
     prompt = list(range(500, 600))
     body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -242,7 +246,8 @@ def test_retokenised_answer_reuses_only_what_matches(cluster, oracle):
     body2 = {"prompt": drifted, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     out = turn(p, d, "/v1/completions", body2, d_params)
     assert out.ids == oracle(drifted, 8).token_ids
-    assert out.p_stats["pulled_tokens"] == len(prompt) + 5  # up to the first differing token
+    # the whole blocks before the first differing token
+    assert out.p_stats["pulled_tokens"] == (len(prompt) + 5) // 16 * 16
     assert out.p_stats["pull_outcome"] == "pulled"
 
 

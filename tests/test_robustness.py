@@ -44,11 +44,13 @@ def tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def d(tiny_model_dir, tmp):
-    # no cluster secret: loopback-only mode, where unsigned params naming a loopback holder are
-    # trusted, so the fake peers below reach the reader's reply handling (with a secret they
-    # are declined as untrusted before any connection: tests/test_security.py)
+    # no cluster secret and insecure_kv: loopback-only mode, where unsigned params naming a
+    # loopback holder are trusted, so the fake peers below reach the reader's reply handling
+    # (with a secret, or without insecure_kv, they are declined as untrusted before any
+    # connection: tests/test_security.py, tests/test_tenants.py)
     w = start_worker(tiny_model_dir, tmp / "d.log", *ARGS,
-                     kv=kv_config("TcpConnector", bidirectional_kv_xfer=True), secret=None)
+                     kv=kv_config("TcpConnector", bidirectional_kv_xfer=True,
+                                   insecure_kv=True), secret=None)
     yield w
     w.stop()
 
@@ -188,7 +190,8 @@ def fake_params(holder_meta: dict, port: int, n: int = len(PROMPT)) -> dict:
 def holder_worker(tiny_model_dir, tmp):
     """A real worker (a P for the tests) whose handshake the fake peers present."""
     w = start_worker(tiny_model_dir, tmp / "holder.log", *ARGS,
-                     kv=kv_config("TcpConnector", bidirectional_kv_xfer=True), secret=None)
+                     kv=kv_config("TcpConnector", bidirectional_kv_xfer=True,
+                                   insecure_kv=True), secret=None)
     yield w
     w.stop()
 

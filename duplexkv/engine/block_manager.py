@@ -2,6 +2,8 @@
 
 Blocks are identified by a chained hash over (parent hash, the block's token ids), seeded with a
 model/layout fingerprint, so equal hashes mean equal token prefixes on any node with the same model.
+A request's `cache_salt` (vLLM's field; the router sets one per tenant) is folded into that seed
+(`salted`): requests with different salts share no cached block, on this node or across nodes.
 Only full blocks enter the cache. A freed block keeps its hash and stays reusable until it is
 handed out again (lazy eviction, least recently freed first).
 
@@ -30,6 +32,21 @@ def hash_block(parent: bytes, token_ids: Seq[int]) -> bytes:
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+def salted(seed: bytes, salt: str | None) -> bytes:
+    """The hash seed of requests carrying `salt` (None or "": the unsalted seed)."""
+    if not salt:
+        return seed
+    return hashlib.blake2b(seed + b"\x00cache_salt\x00" + salt.encode(), digest_size=16).digest()
+
+
+def salt_tag(seed: bytes, salt: str | None) -> bytes:
+    """A short public tag of a salted seed (b"" without a salt): a verify presents it, so even a
+    prompt shorter than a block matches only an entry of its own salt (kv/retention.py)."""
+    if not salt:
+        return b""
+    return hashlib.blake2b(salted(seed, salt), digest_size=8, person=b"duplexkv-tag").digest()
 
 
 def hash_token_blocks(seed: bytes, token_ids: Seq[int], block_size: int) -> list[bytes]:
@@ -80,11 +97,13 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # prefix cache
-    def match_prefix(self, token_ids: Seq[int], max_blocks: int | None = None) -> list[int]:
-        """Block ids of the longest cached run of full blocks that prefixes `token_ids`."""
+    def match_prefix(self, token_ids: Seq[int], max_blocks: int | None = None,
+                     salt: str | None = None) -> list[int]:
+        """Block ids of the longest cached run of full blocks that prefixes `token_ids`, among
+        the blocks cached under the same `salt`."""
         if not self.enable_prefix_caching:
             return []
-        hits, parent = [], self.seed
+        hits, parent = [], salted(self.seed, salt)
         n = len(token_ids) // self.block_size
         if max_blocks is not None:
             n = min(n, max_blocks)
@@ -163,7 +182,8 @@ class BlockManager:
             seq.num_hashed_blocks = n_full
             return
         tokens, bs, start = seq.all_token_ids, self.block_size, seq.num_hashed_blocks
-        parent = self.blocks[seq.block_table[start - 1]].hash if start else self.seed
+        parent = (self.blocks[seq.block_table[start - 1]].hash if start
+                  else salted(self.seed, seq.params.cache_salt))
         for i in range(start, n_full):
             toks = tuple(tokens[i * bs : (i + 1) * bs])
             parent = hash_block(parent, toks)

@@ -124,7 +124,8 @@ class Scheduler:
 
     def apply_prefix_hit(self, seq: Sequence) -> None:
         # at least one token must be computed to get logits, so never hit the whole sequence
-        hits = self.bm.match_prefix(seq.all_token_ids, (seq.num_tokens - 1) // self.bm.block_size)
+        hits = self.bm.match_prefix(seq.all_token_ids, (seq.num_tokens - 1) // self.bm.block_size,
+                                    seq.params.cache_salt)
         self.bm.acquire(hits)
         seq.block_table = list(hits)
         seq.num_computed_tokens = len(hits) * self.bm.block_size

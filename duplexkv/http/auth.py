@@ -33,6 +33,7 @@ from duplexkv.wire.messages_answer import error_body
 
 API_KEY_ENV = "DUPLEXKV_API_KEY"  # a worker's or a router's client keys
 WORKER_API_KEY_ENV = "DUPLEXKV_WORKER_API_KEY"  # the key a router sends to its workers
+ROUTER_SECRET_ENV = "DUPLEXKV_ROUTER_SECRET"  # the router's tenant salts (router/tenants.py)
 OPEN_PATHS = frozenset(("/health", "/metrics", "/version"))
 MESSAGES_PATHS = ("/v1/messages",)  # Anthropic's API: its error shape
 _SCOPE_KEY = "duplexkv.api_key"

@@ -150,6 +150,7 @@ _READERS = {
     "list[str]": lambda f, name, default: _stop(f.body.get(name)),
     "list[int]": lambda f, name, default: _int_list(f.body.get(name), name),
     "dict[int, float]": lambda f, name, default: _logit_bias(f.body.get(name)),
+    "str | None": lambda f, name, default: f.get(name, (str,), "a string", default),
 }
 _KNOBS = [(k.name, _READERS[str(k.type)], k.default) for k in fields(SamplingParams)
           if k.name not in ("max_tokens", "n", "structured")]  # read with their own rules

@@ -65,7 +65,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "allowed_token_ids": ((), "restricting the vocabulary is not supported"),
     "bad_words": ((), "bad words are not supported"),
     "priority": ((0,), "request priorities are not supported"),
-    "cache_salt": ((), "per-request prefix-cache isolation is not supported"),
     "reasoning_effort": ((), "reasoning effort is not supported"),
     "mm_processor_kwargs": ((), "multimodal input is not supported"),
     "prompt_embeds": ((), "prompt embeddings are not supported"),

@@ -10,7 +10,10 @@ It is never logged and never part of a repr. From it, with HMAC-SHA256 under dis
     CURVE keypairs  the side channel's server and client keys (ZMQ CURVE + a ZAP handler)
 
 Without a secret the KV plane is loopback only: the side channel and the transport refuse a
-non-loopback bind address, and readers accept only loopback hosts in params.
+non-loopback bind address, and readers pull nothing: params cannot be authenticated, and a
+local process naming a holder of its own would feed D forged KV (its prefix cache then serves
+it to everyone). `insecure_kv` (kv_connector_extra_config) restores the loopback-only trust of
+unsigned params, for a single-user machine.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class KVAuth:
     """Keys derived from the cluster secret; `KVAuth(None)` is the loopback-only mode."""
 
     secret: bytes | None = field(default=None, repr=False)
+    insecure: bool = False  # without a secret: trust unsigned params naming loopback holders
     params_key: bytes = field(init=False, repr=False)
     hello_key: bytes = field(init=False, repr=False)
     _curve: dict = field(init=False, repr=False, compare=False)
@@ -99,6 +103,9 @@ class KVAuth:
     def params_trusted(self, p: KVTransferParams) -> tuple[bool, str]:
         """May a reader connect where these params point? (before any connection is opened)"""
         if not self.enabled:
+            if not self.insecure:
+                return False, ("no cluster secret: unsigned params are not trusted (" +
+                               NO_SECRET_FIX + "; or insecure_kv: true on a single-user host)")
             if not is_loopback(p.remote_host):
                 return False, (f"params name host {p.remote_host!r}; without a cluster secret "
                                "only loopback holders are trusted")
@@ -128,8 +135,9 @@ def signed_fields(p: KVTransferParams) -> list:
             p.first_token_id]
 
 
-def load(secret_file: str = "") -> KVAuth:
-    """The cluster secret: $DUPLEXKV_KV_SECRET, else the file, else none (loopback only)."""
+def load(secret_file: str = "", insecure: bool = False) -> KVAuth:
+    """The cluster secret: $DUPLEXKV_KV_SECRET, else the file, else none (loopback only; no
+    pull unless `insecure`)."""
     raw: bytes | None = None
     env = os.environ.get(ENV)
     if env:
@@ -142,7 +150,7 @@ def load(secret_file: str = "") -> KVAuth:
             raise KVAuthError(f"kv_connector_extra_config.auth_secret_file: cannot read "
                               f"{secret_file!r}: {e.strerror}") from None
     if raw is None:
-        return KVAuth(None)
+        return KVAuth(None, insecure)
     if not MIN_SECRET_BYTES <= len(raw) <= MAX_SECRET_BYTES:
         raise KVAuthError(f"the KV secret must be {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} "
                           f"bytes (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)")

@@ -60,6 +60,9 @@ class KVTransferConfig:
     use_prefill_first_token: bool = True
     # a file holding the cluster secret (or set $DUPLEXKV_KV_SECRET); never the secret itself
     auth_secret_file: str = ""
+    # without a cluster secret, pull from loopback holders named in unsigned params (any local
+    # process can then feed this worker KV: docs/security.md); off = no pull without a secret
+    insecure_kv: bool = False
 
     @property
     def transport(self) -> str:

@@ -52,7 +52,7 @@ class KVConnector(KVConnectorBase):
         self.cfg = cfg
         self.host = host
         layout = host.kv_layout()
-        auth = kvauth.load(cfg.auth_secret_file)  # never logged, never in a repr
+        auth = kvauth.load(cfg.auth_secret_file, cfg.insecure_kv)  # never logged, never in a repr
         listens = [Listen("side channel", cfg.side_channel_bind, cfg.side_channel_host,
                           cfg.side_channel_port)]
         if cfg.transport == "tcp":

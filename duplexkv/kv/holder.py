@@ -85,7 +85,8 @@ class Holder:
         blocks = seq.block_table[: self.host.blocks_needed(n)]
         self.host.pin(blocks)
         rid = f"{seq.request_id}-{secrets.token_hex(16)}"  # unguessable: it names the entry
-        entry = self.retained.add(rid, blocks, seq.all_token_ids[:n], kind, duration, cap)
+        entry = self.retained.add(rid, blocks, seq.all_token_ids[:n], kind, duration, cap,
+                                  seq.params.cache_salt)
         self.counters[kind] += 1
         # P's first token is what a greedy D would compute, if nothing masked P's logits
         sp = seq.params
@@ -144,7 +145,8 @@ class Holder:
     # side-channel thread
     def serve_verify(self, req: m.Verify) -> m.VerifyReply:
         claim_s = self.cfg.read_timeout_s + self.cfg.expiry_margin_s
-        r = self.retained.verify_and_claim(req.request_id, req.hashes, req.tokens, claim_s)
+        r = self.retained.verify_and_claim(req.request_id, req.hashes, req.tokens, claim_s,
+                                           req.seed_tag)
         return m.VerifyReply(r.matched_tokens, r.expiry, r.reason, r.token, r.grant)
 
     # transport server threads

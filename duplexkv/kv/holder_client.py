@@ -79,13 +79,13 @@ class HolderClient:
         return info
 
     def verify(self, rid: str, p: KVTransferParams, hashes: list,
-               tokens: list) -> tuple[Verified, bool]:
+               tokens: list, tag: bytes = b"") -> tuple[Verified, bool]:
         """Handshake (first time) and verify. -> (the outcome, whether the peer behaved)."""
         try:
             info = self._peer(p)
             t0 = time.perf_counter()
             reply = self._side.request(p.remote_host or "", p.remote_port or 0,
-                                       m.Verify(p.remote_request_id or "", hashes, tokens),
+                                       m.Verify(p.remote_request_id or "", hashes, tokens, tag),
                                        m.VerifyReply, self.cfg.connect_timeout_s)
             assert isinstance(reply, m.VerifyReply)
             self.link.observe_rtt(p.remote_engine_id or "", (time.perf_counter() - t0) * 1e3)

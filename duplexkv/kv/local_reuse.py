@@ -18,7 +18,7 @@ Every outcome is in `kv_stats.decode_local` and counted (`duplexkv_kv_decode_loc
 
 from __future__ import annotations
 
-from duplexkv.engine.block_manager import hash_token_blocks
+from duplexkv.engine.block_manager import hash_token_blocks, salt_tag, salted
 from duplexkv.engine.kv_transfer import EngineHost, KVLayout
 from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.engine.sequence import Sequence
@@ -62,8 +62,11 @@ class LocalReuse:
         if entry is None:
             return "unknown", 0, 0
         bs = self.layout.block_size
+        fp, salt = self.layout.fingerprint, seq.params.cache_salt
+        if salt_tag(fp, salt) != entry.seed_tag:  # another tenant's turn (cache_salt)
+            return "mismatch", 0, 0
         tokens = seq.prompt_token_ids[: len(entry.token_ids)]
-        matched = match_tokens(entry, hash_token_blocks(self.layout.fingerprint, tokens, bs), tokens, bs)
+        matched = match_tokens(entry, hash_token_blocks(salted(fp, salt), tokens, bs), tokens, bs)
         usable = min(matched, seq.num_prompt_tokens - 1)
         if usable <= 0:
             return "mismatch", matched, 0

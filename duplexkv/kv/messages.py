@@ -7,7 +7,7 @@ msgpack: requests are arrays whose first element names the call, replies are map
 
     reader (REQ)                                    holder (ROUTER)
     ["meta"]                                   ->   MetaReply
-    ["verify", req_id, [hash...], [token...]]  ->   VerifyReply
+    ["verify", req_id, [hash...], [token...], seed_tag]  ->   VerifyReply
     ["hb", [req_id...]]                        ->   HeartbeatReply
     (any request the holder cannot serve)      ->   ErrorReply
 """
@@ -37,6 +37,8 @@ class Verify(msgspec.Struct, array_like=True, tag="verify", tag_field="kind"):
     hashes: Annotated[list[Annotated[bytes, Meta(max_length=64)]],
                       Meta(max_length=MAX_TOKENS // 16)]
     tokens: Annotated[list[Annotated[int, Meta(ge=0, le=1 << 31)]], Meta(max_length=MAX_TOKENS)]
+    # the tag of the reader's request's cache_salt (b"": none): must equal the entry's
+    seed_tag: Annotated[bytes, Meta(max_length=32)] = b""
 
 
 class Heartbeat(msgspec.Struct, array_like=True, tag="hb", tag_field="kind"):

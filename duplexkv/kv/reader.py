@@ -25,7 +25,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from duplexkv.engine.block_manager import hash_token_blocks
+from duplexkv.engine.block_manager import hash_token_blocks, salt_tag, salted
 from duplexkv.engine.kv_transfer import (
     ConnectorEvent,
     EngineHost,
@@ -89,11 +89,12 @@ class Reader:
             self.results.put(Verified(seq.request_id, None, None, "untrusted", why))
             return
         tokens = seq.prompt_token_ids[: p.remote_num_tokens]
-        hashes = hash_token_blocks(self.layout.fingerprint, tokens, self.bs)
-        rid = seq.request_id
+        fp, salt = self.layout.fingerprint, seq.params.cache_salt  # the holder's, same salt
+        hashes = hash_token_blocks(salted(fp, salt), tokens, self.bs)
+        rid, tag = seq.request_id, salt_tag(fp, salt)
 
         def verify() -> bool:  # on a kv-net thread
-            res, behaved = self.client.verify(rid, p, hashes, tokens)
+            res, behaved = self.client.verify(rid, p, hashes, tokens, tag)
             self.results.put(res)
             return behaved
 

@@ -29,6 +29,8 @@ class Retained:
     renewed_at: float = 0.0  # last renewal by the router (0: never)
     deleted: bool = False  # its conversation was deleted: released at the next engine poll
     rhythm: eviction.Rhythm = field(default_factory=eviction.Rhythm)
+    seed_tag: bytes = b""  # its request's cache_salt's tag (b"": none): readers must present it
+    misses: int = 0  # verifies that matched less than the whole entry (retention.py)
 
     def claimed(self, now: float) -> bool:
         return self.claimed_until > now
@@ -44,6 +46,28 @@ class VerifyResult(NamedTuple):
     reason: str  # "" or why nothing matched ("unknown", "expired")
     token: bytes = b""  # the claim's capability for the READ (when matched_tokens > 0)
     grant: bytes = b""  # what the transport needs to READ the claim's blocks (NIXL metadata)
+
+
+def answer(entry: Retained, hashes: list[bytes], tokens: list[int], tag: bytes, block_size: int,
+           max_misses: int) -> int:
+    """A verify's matched count as told to the peer: nothing for another seed tag (another
+    cache_salt), else `revealed`; a verify that matched less than the whole entry is a miss,
+    and after `max_misses` the entry is marked deleted (no more guesses: released at the next
+    engine poll, or when the claims already made on it end)."""
+    matched = 0
+    if tag == entry.seed_tag:
+        matched = revealed(entry, match_tokens(entry, hashes, tokens, block_size), block_size)
+    if matched < len(entry.token_ids):
+        entry.misses += 1
+        if entry.misses >= max_misses:
+            entry.deleted = True
+    return matched
+
+
+def revealed(entry: Retained, matched: int, block_size: int) -> int:
+    """What a verify may tell a peer: the whole entry, or whole blocks of it. A count inside a
+    block would let a peer guess a turn one token at a time (docs/security.md)."""
+    return matched if matched >= len(entry.token_ids) else matched - matched % block_size
 
 
 def match_tokens(entry: Retained, hashes: list[bytes], tokens: list[int], block_size: int) -> int:

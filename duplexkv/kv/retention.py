@@ -15,6 +15,11 @@ claims (claims.py: capability tokens, the transport's grants), logs the release 
 Under memory pressure the entry with the lowest value goes first (eviction.py), never one under
 a live claim. A reader's `done:` / `skip:` releases an entry only under its own claim's token
 (`release_claimed`).
+
+A verify is no oracle (docs/security.md): it must present the entry's seed tag (its request's
+cache_salt), it learns whole blocks or the whole entry (`retained.revealed`), and an entry
+answers at most `MAX_MISSES` verifies that matched less than all of it; after that it is gone
+("unknown") and released at the next engine poll.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ import threading
 import time
 from collections import OrderedDict
 
-from duplexkv.engine.block_manager import hash_token_blocks
+from duplexkv.engine.block_manager import hash_token_blocks, salt_tag, salted
 from duplexkv.kv import eviction
 from duplexkv.kv.claims import Claims, Grants
 from duplexkv.kv.release_log import Released, ReleaseLog
-from duplexkv.kv.retained import Retained, VerifyResult, match_tokens
+from duplexkv.kv.retained import Retained, VerifyResult, answer
+
+MAX_MISSES = 4  # partial verifies an entry answers (a reader verifies once per pull)
 
 
 class RetentionTable:
@@ -52,13 +59,15 @@ class RetentionTable:
         return len(self._entries)
 
     def add(self, request_id: str, block_ids: list[int], token_ids: list[int], kind: str,
-            duration_s: float, cap_s: float | None = None) -> Retained:
-        """Hold for `duration_s`; renewals (kind "ttl") never past `cap_s` from now."""
-        hashes = hash_token_blocks(self.seed, token_ids, self.block_size)
+            duration_s: float, cap_s: float | None = None, salt: str | None = None) -> Retained:
+        """Hold for `duration_s`; renewals (kind "ttl") never past `cap_s` from now. `salt`: the
+        request's cache_salt (a reader must hash with the same)."""
+        hashes = hash_token_blocks(salted(self.seed, salt), token_ids, self.block_size)
         now = self.clock()
         cap = now + cap_s if cap_s is not None else float("inf")
         entry = Retained(request_id, list(block_ids), list(token_ids), hashes, kind,
-                         min(now + duration_s, cap), created=now, cap=cap)
+                         min(now + duration_s, cap), created=now, cap=cap,
+                         seed_tag=salt_tag(self.seed, salt))
         with self._lock:
             if kind == "ttl":
                 entry.rhythm = self._conversations.turn(hashes, now)
@@ -86,15 +95,15 @@ class RetentionTable:
             self._conversations.released(entry, why)
 
     def verify_and_claim(self, request_id: str, hashes: list[bytes], tokens: list[int],
-                         claim_s: float) -> VerifyResult:
+                         claim_s: float, tag: bytes = b"") -> VerifyResult:
         now = self.clock()
         with self._lock:
             entry = self._entries.get(request_id)
-            if entry is None:
+            if entry is None or entry.misses >= MAX_MISSES:
                 return VerifyResult(0, 0.0, "unknown")
             if entry.gone(now):
                 return VerifyResult(0, entry.expiry, "expired")
-            matched = match_tokens(entry, hashes, tokens, self.block_size)
+            matched = answer(entry, hashes, tokens, tag, self.block_size, MAX_MISSES)
             token, grant = b"", b""
             if matched > 0:  # may raise (the transport's exposure): then no claim
                 token, grant = self._claims.make(entry, matched, self.block_size, now, claim_s)

@@ -5,14 +5,15 @@ prefill + N decode workers on localhost, started together and stopped together."
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV
-from duplexkv.launch.process import Proc, spawn, stop_all, wait_ready
+from duplexkv.http.auth import API_KEY_ENV, ROUTER_SECRET_ENV, WORKER_API_KEY_ENV
+from duplexkv.launch.process import KV_SECRET_ENV, Proc, spawn, stop_all, wait_ready
 
 
 def worker_args(model: str, kv: dict | None, *extra: str, host: str = "127.0.0.1",
@@ -55,8 +56,9 @@ class ClusterSpec:
     kv_extra: dict = field(default_factory=dict)
     log_dir: Path | None = None  # default: a new temporary directory
     # API keys, passed to the processes by environment (never on a command line or in a log):
-    # the router's client keys, and the key between the router and the workers (default with
-    # client keys: a random one made at start; with neither, everything runs without keys)
+    # the router's client keys, and the key between the router and the workers (default: a
+    # random one made at start, so only the router reaches a worker). The workers' KV cluster
+    # secret is $DUPLEXKV_KV_SECRET if set, else the launcher's random one (docs/security.md).
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     worker_api_key: str | None = field(default=None, repr=False)
 
@@ -77,6 +79,7 @@ class Cluster:
     log_dir: Path = field(init=False)
     workers: list[Proc] = field(default_factory=list, init=False)
     router: Proc | None = field(default=None, init=False)
+    worker_api_key: str | None = field(default=None, init=False, repr=False)  # set by start()
 
     def __post_init__(self) -> None:
         self.log_dir = self.spec.log_dir or Path(tempfile.mkdtemp(prefix="duplexkv-up-"))
@@ -108,9 +111,12 @@ class Cluster:
 
         resolve_model(s.model)  # a preset is made once here, not raced by every worker
         kv = bidirectional_kv(s.connector, s.bidirectional, **s.kv_extra)
-        worker_key = s.worker_api_key or (secrets.token_urlsafe(24) if s.api_keys else None)
+        worker_key = self.worker_api_key = s.worker_api_key or secrets.token_urlsafe(24)
         worker_env = {API_KEY_ENV: worker_key, WORKER_API_KEY_ENV: None}  # None: unset
-        router_env = {API_KEY_ENV: ",".join(s.api_keys) or None, WORKER_API_KEY_ENV: worker_key}
+        # (their KV secret: $DUPLEXKV_KV_SECRET, else the launcher's random one, process.py)
+        router_secret = os.environ.get(ROUTER_SECRET_ENV) or secrets.token_hex(32)
+        router_env = {API_KEY_ENV: ",".join(s.api_keys) or None, WORKER_API_KEY_ENV: worker_key,
+                      KV_SECRET_ENV: None, ROUTER_SECRET_ENV: router_secret}
         try:
             for role, n in (("prefill", s.prefill), ("decode", s.decode)):
                 for i in range(n):
@@ -128,6 +134,10 @@ class Cluster:
             self.stop()
             raise
         return self
+
+    def worker_headers(self) -> dict[str, str]:
+        """What a caller of a worker's guarded paths (/v1/..., /debug/...) must send."""
+        return {"authorization": f"Bearer {self.worker_api_key}"} if self.worker_api_key else {}
 
     def dead(self) -> Proc | None:
         """The first process that has exited, if any."""

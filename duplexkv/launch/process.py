@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV
+from duplexkv.kv.auth import ENV as KV_SECRET_ENV
 
 READY = re.compile(r"(?:serving .* on|router listening on) (http://[\w.\-\[\]:]+:\d+)")
 
@@ -101,10 +103,16 @@ WORKER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "ONEDNN_PRIMITIVE_CACHE_CAP
                        "LRU_CACHE_CAPACITY": "256"}
 
 
+# The KV cluster secret of every process this launcher starts, unless the environment or the
+# caller sets one: workers started together authenticate each other, and nothing else on the
+# host can feed them KV or read theirs (docs/security.md). Passed by environment, never argv.
+LAUNCH_SECRET = secrets.token_hex(32)
+
+
 def worker_env(extra: dict | None = None) -> dict:
-    """A worker's environment: the defaults above, then ours, loopback UCX unless set, `extra`
-    (a None value there removes the variable)."""
-    env = {**WORKER_ENV_DEFAULTS, **os.environ,
+    """A worker's environment: the defaults above (the launcher's KV secret included), then
+    ours, loopback UCX unless set, `extra` (a None value there removes the variable)."""
+    env = {**WORKER_ENV_DEFAULTS, KV_SECRET_ENV: LAUNCH_SECRET, **os.environ,
            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(extra or {})}
     return {k: v for k, v in env.items() if v is not None}
 

@@ -57,6 +57,7 @@ from duplexkv.router.responses import ResponsesRoutes
 from duplexkv.router.turn.calls import Relayed
 from duplexkv.router.turn.context import Turn
 from duplexkv.router.turn.runner import TurnRunner
+from duplexkv.router.tenants import Salter
 from duplexkv.router.upstream import Upstream
 from duplexkv.router.warmup import PairWarmer
 
@@ -82,10 +83,11 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
     keeper = LeaseKeeper(None, cfg.worker_headers(), cfg.lease_renew_period_s,
                          cfg.request_timeout_s, LifecycleMetrics(metrics.registry))
     conversations = Conversations(store, metrics, cfg.rewrite_remote_host, keeper)
+    salter = Salter.from_env(cfg.share_kv_cache, bool(cfg.api_keys) and cfg.store != "memory")
     responses = ResponsesRoutes(cfg, pool, metrics,
                                 make_response_store(cfg.store, cfg.conversation_ttl_s,
                                                     cfg.store_timeout_s),
-                                lambda: state["turns"])
+                                lambda: state["turns"], salter)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -122,6 +124,7 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
             raw = await read_body(request, cfg.max_request_bytes)
             req = parse_client_request(raw, request.headers, kind, cfg.max_json_depth,
                                        api_key_of(request.scope), translate)
+            salter.apply(req.body, req.api_key)  # per-key cache_salt (router/tenants.py)
             models = pool.models()
             if req.model is not None and models and req.model not in models:
                 raise model_not_found(req.model)

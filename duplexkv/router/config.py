@@ -64,6 +64,8 @@ class RouterConfig:
     # Authorization header on the legs, never the client's)
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     worker_api_key: str | None = field(default=None, repr=False)
+    # with client keys, tenants share the workers' prefix cache (router/tenants.py)
+    share_kv_cache: bool = False
     # worker discovery (duplexkv/discovery): the registry's redis:// URL (it may hold a password:
     # never in a repr or a log, only its redacted form) and how often the router reads it
     discovery: str | None = field(default=None, repr=False)

@@ -33,6 +33,7 @@ from duplexkv.router.backends import BackendPool
 from duplexkv.router.config import RouterConfig
 from duplexkv.router.metrics import RouterMetrics
 from duplexkv.router.request import client_request
+from duplexkv.router.tenants import Salter
 from duplexkv.router.turn.calls import Relayed
 from duplexkv.router.turn.context import Turn
 from duplexkv.router.turn.runner import TurnRunner
@@ -42,8 +43,9 @@ ENDPOINT = "responses"
 
 class ResponsesRoutes:
     def __init__(self, cfg: RouterConfig, pool: BackendPool, metrics: RouterMetrics,
-                 store: ResponseStore, turns: Callable[[], TurnRunner]) -> None:
+                 store: ResponseStore, turns: Callable[[], TurnRunner], salter: Salter) -> None:
         self.cfg, self.pool, self.metrics, self.turns = cfg, pool, metrics, turns
+        self.salter = salter  # the key's cache_salt on every leg, as for chat (tenants.py)
         self.store = store
         self.front = ResponsesFront(store, "", cfg.max_json_depth)
 
@@ -72,6 +74,7 @@ class ResponsesRoutes:
                     arrival: float) -> ChatAnswer:
         """The chat turn; its error answers (a worker's 4xx, a 503) are the client's."""
         req = client_request(chat, request.headers, "chat", api_key, key, responses_api=True)
+        self.salter.apply(req.body, req.api_key)
         models = self.pool.models()
         if req.model is not None and models and req.model not in models:
             raise model_not_found(req.model)

@@ -89,6 +89,9 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                    help="the key the router sends to the workers (`Authorization: Bearer KEY` on "
                         f"every leg and /v1/models; default ${WORKER_API_KEY_ENV}, else none: "
                         "no Authorization header, never the client's)")
+    p.add_argument("--share-kv-cache", action="store_true",
+                   help="with --api-key: let every key's requests reuse every other key's cached "
+                        "KV (default: a per-key cache_salt on every leg, docs/security.md)")
     p.add_argument("--lease-renew-period", type=float, default=10.0, metavar="S",
                    help="every S seconds, renew D's leases on the turns of active conversations "
                         "and fetch D's release notices; keep it well under D's "
@@ -130,6 +133,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         store_timeout_s=args.store_timeout, store_breaker_period_s=args.store_breaker_period,
         lease_renew_period_s=args.lease_renew_period, keepalive_s=args.keepalive_seconds,
         api_keys=keys_from(args.api_key), worker_api_key=worker_key(args.worker_api_key),
+        share_kv_cache=args.share_kv_cache,
         discovery=discovery.url if discovery is not None else None,
         discovery_interval_s=args.discovery_interval, recognise=args.recognise,
         placement=PlacementConfig(args.placement, args.decode_local_max_tokens,

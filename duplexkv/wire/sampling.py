@@ -28,6 +28,7 @@ MIN_REPETITION_PENALTY = 0.01
 # choices per request: OpenAI's documented limit. Each choice is a sequence of its own (its blocks
 # beyond the shared prompt, a batch slot), so this also bounds one request's share of the engine
 MAX_N = 128
+MAX_SALT = 256
 
 
 @dataclass(slots=True)
@@ -49,6 +50,8 @@ class SamplingParams:
     n: int = 1  # choices; choice i samples with seed + i (engine/parallel.py)
     # a grammar the output must match (response_format, structured_outputs, forced tool calls)
     structured: StructuredOutput | None = None
+    # vLLM's prefix-cache isolation: requests share cached KV only with the same salt
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,6 +109,9 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP \
                 or not all(is_int(t) and 0 <= t <= MAX_ID for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be a list of at most {MAX_STOP} token ids")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not 0 < len(self.cache_salt) <= MAX_SALT):
+            bad("cache_salt", f"must be a non-empty string of at most {MAX_SALT} characters")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             bad("structured", "must be a StructuredOutput")
         if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > 1024:
