@@ -36,6 +36,10 @@ class _Cancelled(Exception):
     pass
 
 
+class Stalled(TimeoutError):
+    """No byte of a READ moved (either way) for `stall_s`."""
+
+
 @dataclass(eq=False)
 class Job:
     handle: XferHandle | None  # None for a notification
@@ -156,7 +160,7 @@ class PeerLink:
             if now > h.deadline:
                 raise TimeoutError(f"READ from {self.peer!r} timed out")
             if now - last[0] > self.stall_s:
-                raise TimeoutError(f"READ from {self.peer!r} stalled (no byte moved for "
+                raise Stalled(f"READ from {self.peer!r} stalled (no byte moved for "
                                    f"{self.stall_s:g} s)")
 
         try:
@@ -197,6 +201,7 @@ class PeerLink:
             return XferState.FAILED, "cancelled"
         except (OSError, ValueError) as e:
             self._drop()
+            h.stalled = isinstance(e, Stalled)  # set before the result: the caller reads after
             why = f"failed: {e}"
             where = f"{self.peer!r} at {self.addr[0]}:{self.addr[1]}"
             return XferState.FAILED, f"READ of {len(h.remote_block_ids)} blocks from {where} {why}"
