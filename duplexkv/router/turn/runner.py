@@ -49,7 +49,7 @@ class TurnRunner:
         self.cfg, self.pool, self.conversations, self.metrics = cfg, pool, conversations, metrics
         self.policy = policy
         calls = WorkerCalls(upstream, metrics, cfg.worker_headers(),
-                            Liveness(upstream.client, alternative=pool.has_alternative))
+                            Liveness(upstream.probe_client, alternative=pool.has_alternative))
         check = TokenCheck(calls, pool, metrics, cfg.kv_recompute_threshold)
         self.prefill = PrefillLeg(pool, calls, policy, metrics, check, warmer,
                                   cfg.rewrite_remote_host)
