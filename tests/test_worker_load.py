@@ -69,3 +69,36 @@ def test_a_loaded_worker_reports_its_queue_and_gets_a_longer_probe(tiny_model_di
         live = Liveness(httpx.AsyncClient())
         assert b.outstanding == 0
         assert live.timeout(b) >= min(PER_LEG_S * load.queued, 10.0) > PROBE_TIMEOUT_S
+
+
+def test_health_answers_while_a_long_step_runs(tmp_path):
+    """The bench preset prefilling 4,096-token chunks (its default budget) on this machine runs
+    steps of seconds; /health answers meanwhile from the snapshot the engine published after a
+    recent step (before, it waited for the step to end: a probe took the worker for hung)."""
+    from duplexkv.model.synth import make_model
+
+    model = make_model(tmp_path / "bench", "bench", seed=0)
+    w = start_worker(model, tmp_path / "w.log", "--no-enable-prefix-caching", timeout_s=300)
+    body = {"model": w.name, "prompt": " ".join(f"w{k % 997}" for k in range(3000)),
+            "max_tokens": 1, "temperature": 0}
+    took, busy = [], []
+    pool = ThreadPoolExecutor(2)
+    try:
+        with stopping(w):  # the prompts are not waited for: stopping the worker ends them
+            futs = [pool.submit(w.post, "/v1/completions", body) for _ in range(2)]
+            deadline = time.monotonic() + 120
+            while len(busy) < 5 and time.monotonic() < deadline \
+                    and not all(f.done() for f in futs):
+                t = time.perf_counter()
+                h = httpx.get(w.url + "/health", timeout=30).json()
+                took.append(time.perf_counter() - t)
+                if h.get("engine_busy") and (h.get("step_running_s") or 0) > 0.5:
+                    busy.append(h)
+                time.sleep(0.05)
+    finally:
+        pool.shutdown(wait=True)
+    print(f"/health while long steps ran: {len(took)} answers, max {max(took):.2f} s; "
+          f"{len(busy)} during a step already 0.5 s long")
+    assert busy, "no step ran longer than 0.5 s: nothing was shown"
+    assert "waiting" in busy[-1] and busy[-1]["snapshot_age_s"] is not None
+    assert max(took) < PROBE_TIMEOUT_S, f"/health took {max(took):.2f} s"
