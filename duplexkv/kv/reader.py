@@ -220,7 +220,9 @@ class Reader:
             return self._landed(pull)
         if state is XferState.FAILED:
             err = h.error or "transfer failed"
-            if h.finished is not None and h.finished >= h.deadline:  # timed out: a bound
+            # timed out, or stalled (no byte for read_stall_s): the link did not move nbytes
+            # in that time, a bound on it
+            if h.stalled or (h.finished is not None and h.finished >= h.deadline):
                 self.link.observe_timed_out_read(peer, pull.nbytes, h.elapsed_s * 1e3)
             self.transfers.release(h)
             return self._decline(pull, "stalled" if h.stalled else "failed", err)
