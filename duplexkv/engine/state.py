@@ -49,8 +49,8 @@ class EngineSnapshot:
     num_failed_steps: int = 0  # forward passes that raised (their requests failed)
     # the cost model's prediction (None before it has a sample): the prefill of every prompt
     # token queued or running, i.e. how long a request arriving now waits for its first token
-    # (decode steps interleaved with it not counted); and the longest step that work makes
-    # (a /health asked meanwhile answers after it). The router's liveness probes wait that long
+    # (decode steps interleaved with it not counted); and the longest step that work makes.
+    # The router's liveness probes of a loaded worker wait longer (router/liveness.py)
     expected_ttft_ms: float | None = None
     expected_step_ms: float | None = None
 

@@ -21,7 +21,9 @@ black-holed worker in rotation for ~20 s).
                request it has queued or running (as it last reported, or the router's legs in
                flight to it, whichever is more: other routers' and clients' requests load it
                too), 1 s plus twice the engine step its queued prefill makes (by its cost model:
-               its /health answers between steps); at most 10 s. Each probe connects afresh
+               a /health that waits for the engine answers after the running step; ours
+               waits 0.2 s, then answers from the snapshot the engine published,
+               engine/async_engine.py); at most 10 s. Each probe connects afresh
                and its connect is bounded by probe_timeout_s whatever the load (a loaded
                host's kernel still accepts at once): an unreachable host is given up on in
                1.5 s however loaded it said it was. A probe
