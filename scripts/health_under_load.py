@@ -39,7 +39,7 @@ with stopping(p, d):
     r = start_router(tmp / "router.log", [p.url], [d.url], placement=None, defaults=True)
     with stopping(r):
         stop = time.monotonic() + secs
-        ok, failed, errors = [0], [0], []
+        ok, failed, errors, too_long = [0], [0], [], [0]
         lock = threading.Lock()
         samples = {"p": [], "d": []}
 
@@ -54,11 +54,17 @@ with stopping(p, d):
                     load = from_health(body)
                     if load is not None:
                         b.load = load
+                    # the router's rtt term too: 4x the slowest /health of the last ~30 s
+                    now = time.monotonic()
+                    recent = [s[0] for s in samples[key] if s[6] > now - 30]
+                    full = min(max(live.timeout(b), 4 * max(recent, default=0.0)), 10.0)
                     samples[key].append((rtt, body.get("waiting"), body.get("running"),
                                          body.get("expected_ttft_ms"),
-                                         body.get("expected_step_ms"), live.timeout(b)))
+                                         body.get("expected_step_ms"), live.timeout(b), now,
+                                         full))
                 except Exception:
-                    samples[key].append((time.perf_counter() - t, None, None, None, None, None))
+                    samples[key].append((time.perf_counter() - t, None, None, None, None, None,
+                                         time.monotonic(), None))
                 time.sleep(0.1)
 
         def conversation(i):
@@ -76,6 +82,11 @@ with stopping(p, d):
                     text, err = [], None
                     try:
                         with c.stream("POST", r.url + "/v1/chat/completions", json=body) as resp:
+                            if resp.status_code == 400:  # the history outgrew the model
+                                resp.read()
+                                with lock:
+                                    too_long[0] += 1
+                                break
                             if resp.status_code != 200:
                                 err = f"HTTP {resp.status_code}: {resp.read()[:200]!r}"
                             else:
@@ -106,7 +117,8 @@ with stopping(p, d):
         h = httpx.get(r.url + "/health", timeout=30).json()
         log = (tmp / "router.log").read_text()
         print(f"preset={preset} dtype={dtype} conversations={n} seconds={secs}")
-        print(f"turns ok={ok[0]} failed={failed[0]} errors={errors[:3]}")
+        print(f"turns ok={ok[0]} failed={failed[0]} errors={errors[:3]} "
+              f"(conversations ended by a 400 as longer than the model: {too_long[0]})")
         print("router log: marked down", log.count(" is down:"), "suspect", log.count("is suspect"))
         for role in ("prefill", "decode"):
             for w in h[role]:
@@ -126,5 +138,7 @@ with stopping(p, d):
                   f"probe timeout from the report: max={max(tos, default=None)} "
                   f"min={min(tos, default=None)}; "
                   f"/health slower than that timeout: "
-                  f"{sum(1 for s in ss if s[5] is not None and s[0] > s[5])}")
+                  f"{sum(1 for s in ss if s[5] is not None and s[0] > s[5])}; "
+                  f"slower than the router's whole timeout (with its rtt term): "
+                  f"{sum(1 for s in ss if s[7] is not None and s[0] > s[7])}")
         print("logs in", tmp)
