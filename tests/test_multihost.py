@@ -261,7 +261,8 @@ def test_redis_host_down(hosts, oracle):
 
 def test_p_d_link_down_in_the_middle_of_a_read(hosts, oracle):
     """D's link shaped to 4 Mbit/s so that P's READ of the history takes ~1 s; the P-D link is
-    cut once the READ runs: P gives up after read_timeout_s (2 s here) and recomputes."""
+    cut once the READ runs: P's READ stalls (no byte for read_stall_s, 1 s, before
+    read_timeout_s, 2 s here), P recomputes and sends `stalled`: the D leg goes elsewhere."""
     net, hc, ps, ds, routers = hosts
     r = routers[0]
     before = picked(r, "decode")
@@ -297,8 +298,8 @@ def test_p_d_link_down_in_the_middle_of_a_read(hosts, oracle):
         assert stats["prefill"]["pulled_tokens"] == 0, stats  # the READ failed: recomputed
         assert stats["prefill"]["pull_outcome"] != "pulled", stats
         assert took < 9, f"{took:.1f} s"
-        # the timed-out READ is a sample: P's link model now holds D's link at most its bytes
-        # over the 2 s waited (before, it kept its earlier fast samples or the 10 Gbit/s prior)
+        # the stalled READ is a sample: P's link model now holds D's link at most its bytes
+        # over the time waited (before, it kept its earlier fast samples or the 10 Gbit/s prior)
         links = health(ps[["p0", "p1"].index(cut[0])])["kv_transfer"]["links"]["peers"]
         assert any(e["measured"] and e["gbps"] < 0.05 for e in links.values()), links
         report("P-D link down in the middle of a READ (4 Mbit/s link)", [took], healthy)

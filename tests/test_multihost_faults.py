@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ ARGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "1024
 SYSTEM = "You are a careful coding agent. Read the tool output, then answer with the next command."
 OUT = 16
 EXTRA_S = 2.5  # the issue's bound: ~2 s beyond a healthy turn
+CLUSTER: dict = {}  # the module's HostCluster ("hc"), for the tests that restart a worker
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +40,7 @@ def hosts(tiny_model_dir, tmp_path_factory):
         # conversations in Redis on host s
         rs = hc.router("r", "router-redis", p, ds, store=hc.redis("s"), port=8002)
         hc.ready([r, rp, rs])
+        CLUSTER["hc"] = hc
         yield net, p, ds, {"auto": r, "prefill": rp, "redis": rs}
 
 
@@ -205,6 +208,109 @@ def test_d_link_at_1_mbit(hosts, oracle):
     net, p, ds, routers = hosts
     fault_turn(routers["prefill"], oracle, "D link at 1 Mbit/s",
                lambda d: net.shape(d, "1mbit"), lambda d: net.shape(d, None), extra_s=5.0)
+
+
+def test_p_d_link_cut_mid_read(hosts, oracle):
+    """P pulls the conversation's history from its D and the P-D link is cut while the READ
+    runs (D's link at 1 Mbit/s so that the READ lasts ~2 s): P's READ moves no byte for
+    read_stall_s (1 s), fails, P recomputes, and its decline (`stalled`) sends the D leg to the
+    other D. Before: P waited read_timeout_s (10 s), then D's pull of the new turn over the cut
+    link cost its side channel's 1 s too."""
+    net, p, ds, routers = hosts
+    r = routers["prefill"]
+    base = healthy(r, oracle)
+    conv = f"m-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "tool output 0: " + "ok; " * 200}]
+    before = decode_picks(r)
+    text, _, _ = chat(r.url, messages, conv)
+    d = ["d0", "d1"][[a - b for a, b in zip(decode_picks(r), before)].index(1)]
+    messages += [{"role": "assistant", "content": text}, user(1)]
+    net.shape(d, "1mbit")
+    cut: list[str] = []
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            turn = pool.submit(chat, r.url, messages, conv)
+            deadline = time.monotonic() + 10
+            while not cut and time.monotonic() < deadline and not turn.done():
+                for h, w in zip(("p0", "p1"), p):
+                    kv = httpx.get(w.url + "/health", timeout=5).json()["kv_transfer"]
+                    if kv["pulls_in_flight"]:
+                        time.sleep(0.3)  # inside the READ
+                        net.partition(h, d)
+                        t_cut = time.perf_counter()
+                        cut.append(h)
+                        break
+                time.sleep(0.02)
+            text, stats, took = turn.result()
+            after_cut = time.perf_counter() - t_cut if cut else 0.0
+    finally:
+        for h in cut:
+            net.heal(h, d)
+        net.shape(d, None)
+    print(f"P-D link cut mid-READ: healthy turn {base:.2f} s, fault turn {took:.2f} s, "
+          f"{after_cut:.2f} s of it after the cut")
+    assert cut, "P's READ was never seen in flight"
+    assert text == oracle(messages, OUT).text
+    assert stats["prefill"]["pull_outcome"] == "stalled", stats
+    assert after_cut <= base + EXTRA_S, f"{after_cut:.1f} s after the cut (healthy {base:.2f} s)"
+    wait_all_up(r)
+
+
+def test_d_host_killed_between_turns(hosts, oracle):
+    """Every process of the conversation's D host SIGKILLed between turns (its kernel refuses
+    connections, as a host that rebooted does): the next turn goes through P as a miss on the
+    other D. The host's D is started again afterwards."""
+    net, p, ds, routers = hosts
+    hc = CLUSTER["hc"]
+
+    def restart(d: str) -> None:  # after the fault turn (not timed)
+        i = ["d0", "d1"].index(d)
+        ds[i] = hc.worker(d, f"decode-{d}-again", *ARGS)
+        hc.ready([ds[i]])
+
+    fault_turn(routers["auto"], oracle, "D host killed", net.kill, restart)
+    for r in routers.values():
+        wait_all_up(r)
+
+
+def test_an_unreachable_host_is_given_up_on_in_seconds_however_loaded_it_said_it_was(hosts):
+    """A probe of a worker that last reported 16 requests queued waits 8 s for its /health
+    (a loaded worker answers late, it is not hung), but connects afresh with its own 1 s
+    bound: with the host black-holed the probe fails in ~1 s (it waited the 8 s before)."""
+    import asyncio
+
+    from duplexkv.router.backends import Backend
+    from duplexkv.router.config import RouterConfig
+    from duplexkv.router.liveness import Liveness
+    from duplexkv.router.upstream import Upstream
+    from duplexkv.router.worker_load import WorkerLoad
+
+    net, p, ds, routers = hosts
+    d = ds[0]
+
+    async def probe() -> tuple[bool, float, float]:
+        up = Upstream(RouterConfig((p[0].url,), (d.url,)))
+        live = Liveness(up.probe_client, alternative=lambda b: True)
+        b = Backend(d.url, "decode", "decode[0]")
+        try:
+            assert await live.probe(b)  # reachable: alive, and its report taken
+            b.load = WorkerLoad(waiting=12, running=4, at=time.monotonic())
+            timeout = live.timeout(b)
+            net.link("d0", up=False)
+            t = time.perf_counter()
+            alive = await live.probe(b)
+            return alive, time.perf_counter() - t, timeout
+        finally:
+            net.link("d0", up=True)
+            await up.aclose()
+
+    alive, took, timeout = asyncio.run(probe())
+    print(f"probe of a black-holed host reported loaded: {took:.2f} s (timeout {timeout} s)")
+    assert timeout == 8.0 and not alive
+    assert took < 2.0, f"{took:.2f} s"
+    for r in routers.values():
+        wait_all_up(r)
 
 
 def test_d_host_killed_mid_stream(hosts, oracle):

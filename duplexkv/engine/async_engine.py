@@ -3,6 +3,10 @@
 One thread runs the step loop; request coroutines talk to it through a command queue and get
 their outputs back on per-request asyncio queues. While requests wait for remote KV the loop
 wakes at the connector's `poll_timeout` so that each step can poll it.
+
+The loop also publishes the engine's snapshot (`last_snapshot`, at most every PUBLISH_S, after a
+step) and when the running step began (`step_started`), so that /health can answer while a long
+step runs instead of waiting for it (a probe would take a loaded worker for a hung one).
 """
 
 from __future__ import annotations
@@ -11,15 +15,18 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine, RequestOutput
 from duplexkv.engine.memory import HeapTrimmer
+from duplexkv.engine.state import EngineSnapshot
 from duplexkv.wire.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+PUBLISH_S = 0.1  # the published snapshot is at most this much older than the last step
 
 
 class EngineDeadError(RuntimeError):
@@ -62,6 +69,9 @@ class AsyncEngine:
         # the server uses it to exit non-zero so that a supervisor restarts the worker
         self.on_dead: Callable[[str], None] | None = None
         self.trimmer = HeapTrimmer()
+        self.last_snapshot: EngineSnapshot | None = None  # published by the engine thread
+        self.snapshot_at = 0.0  # time.monotonic() of last_snapshot
+        self.step_started = 0.0  # time.monotonic() when the running step began; 0: none runs
 
     def start(self) -> None:
         self._thread.start()
@@ -167,8 +177,13 @@ class AsyncEngine:
                         cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     pass
+                self.step_started = time.monotonic()
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
+                now = time.monotonic()
+                self.step_started = 0.0
+                if now - self.snapshot_at > PUBLISH_S:
+                    self.last_snapshot, self.snapshot_at = self.engine.snapshot(), now
                 self.trimmer.tick(idle=not self.engine.has_unfinished())
         except BaseException as e:  # unrecoverable (EngineFatal or a bug): fail everyone, loudly
             log.exception("engine thread died")

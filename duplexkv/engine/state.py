@@ -47,6 +47,12 @@ class EngineSnapshot:
     num_preemptions: int
     num_failed_requests: int = 0  # ended by an error of their own (sampling, a hook, a step)
     num_failed_steps: int = 0  # forward passes that raised (their requests failed)
+    # the cost model's prediction (None before it has a sample): the prefill of every prompt
+    # token queued or running, i.e. how long a request arriving now waits for its first token
+    # (decode steps interleaved with it not counted); and the longest step that work makes.
+    # The router's liveness probes of a loaded worker wait longer (router/liveness.py)
+    expected_ttft_ms: float | None = None
+    expected_step_ms: float | None = None
 
     def as_dict(self) -> dict:
         return {"running": self.running, "waiting": self.waiting,
@@ -54,7 +60,13 @@ class EngineSnapshot:
                 "kv_blocks": self.blocks._asdict(), "block_size": self.block_size,
                 "num_preemptions": self.num_preemptions,
                 "num_failed_requests": self.num_failed_requests,
-                "num_failed_steps": self.num_failed_steps}
+                "num_failed_steps": self.num_failed_steps,
+                "expected_ttft_ms": _ms(self.expected_ttft_ms),
+                "expected_step_ms": _ms(self.expected_step_ms)}
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v, 1)
 
 
 class EngineViews:
@@ -95,9 +107,25 @@ class EngineViews:
 
     def snapshot(self) -> EngineSnapshot:
         s = self.scheduler
+        ttft, step = self._expected_prefill_ms()
         return EngineSnapshot(len(s.running), len(s.waiting), len(s.parked), self.bm.counts(),
                               self.config.block_size, s.num_preemptions,
-                              self.num_failed_requests, self.num_failed_steps)
+                              self.num_failed_requests, self.num_failed_steps, ttft, step)
+
+    def _expected_prefill_ms(self) -> tuple[float | None, float | None]:
+        """(the prefill of all queued prompt tokens, its longest step) by the cost model."""
+        model, s = self.costs.model, self.scheduler
+        total, step, tokens, context = 0.0, 0.0, 0, 0
+        for seq in (*s.running, *s.waiting):
+            new = seq.num_prompt_tokens - seq.num_computed_tokens
+            if new > 0:
+                total += model.predict_ms(new, seq.num_computed_tokens) or 0.0
+                tokens, context = tokens + new, max(context, seq.num_computed_tokens)
+        if not model.ready:
+            return None, None
+        if tokens:
+            step = model.predict_ms(min(tokens, s.budget), context) or 0.0
+        return total, step
 
     def structures(self) -> dict:
         """Sizes of the engine's per-request maps and caches, for /debug/memory."""

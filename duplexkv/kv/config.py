@@ -50,6 +50,10 @@ class KVTransferConfig:
     transfer_port: int = 0
     enforce_handshake_compat: bool = True
     read_timeout_s: float = 10.0  # a READ that has not landed by then has failed
+    # TcpConnector: a READ that moved no byte for this long has stalled (a link cut, a hung
+    # holder) and fails at once: the reader recomputes. NIXL posts one READ and sees no
+    # progress until it ends: there only read_timeout_s applies
+    read_stall_s: float = 1.0
     # side-channel round trips (handshake, verify, heartbeat), connecting included: a dead or
     # partitioned peer costs a request at most this long
     connect_timeout_s: float = 1.0
@@ -126,7 +130,7 @@ class KVTransferConfig:
                 or cfg.kv_link_sample_max_age_s <= 0 \
                 or cfg.decoder_kv_blocks_ttl <= 0 or cfg.decoder_kv_lease_duration <= 0 \
                 or cfg.kv_lease_duration <= 0 or cfg.connect_timeout_s <= 0 \
-                or cfg.read_timeout_s <= 0 or cfg.peer_breaker_s < 0 or cfg.peer_max_in_flight < 1:
+                or cfg.read_timeout_s <= 0 or cfg.read_stall_s <= 0 or cfg.peer_breaker_s < 0 or cfg.peer_max_in_flight < 1:
             raise KVConfigError("thresholds and durations must be positive")
         if cfg.decoder_kv_eviction not in ("value", "oldest"):
             raise KVConfigError("kv_connector_extra_config.decoder_kv_eviction must be 'value' "

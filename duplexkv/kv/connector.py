@@ -68,7 +68,7 @@ class KVConnector(KVConnectorBase):
             + f"{PROTOCOL_VERSION}/{tuple(host.kv_pool().shape[1:])}".encode()).hexdigest()
         self.transport = make_transport(cfg.transport, engine_id=self.engine_id,
                                         timeout_s=cfg.read_timeout_s, auth=auth,
-                                        **self._transport_address(cfg))
+                                        **self._transport_options(cfg))
         self.transport.register(host.kv_pool())
         self.pool = ThreadPoolExecutor(NET_THREADS, thread_name_prefix="kv-net")
         self.gate = PeerGate(self.pool, cfg.peer_max_in_flight, cfg.peer_breaker_s)
@@ -95,10 +95,10 @@ class KVConnector(KVConnectorBase):
         self.server.start()
 
     @staticmethod
-    def _transport_address(cfg: KVTransferConfig) -> dict:
+    def _transport_options(cfg: KVTransferConfig) -> dict:
         if cfg.transport == "tcp":
             return {"host": cfg.transfer_bind, "port": cfg.transfer_port,
-                    "advertise_host": cfg.transfer_host}
+                    "advertise_host": cfg.transfer_host, "stall_s": cfg.read_stall_s}
         # NIXL: UCX listens on the interface that carries the advertised side-channel address
         return {"host": cfg.side_channel_host}
 

@@ -25,7 +25,8 @@ class KVCollector(Collector):
                                   "token", value=c.prefill_first_tokens)
         declined = CounterMetricFamily("duplexkv_kv_pull_declined",
                                        "Remote KV not used, by reason", labels=["reason"])
-        for reason in ("threshold", "cost_model", "mismatch", "expired", "failed", "no_room", "unknown",
+        for reason in ("threshold", "cost_model", "mismatch", "expired", "failed", "stalled",
+                       "no_room", "unknown",
                        "local_hit", "bad_reply", "unreachable", "peer_down", "untrusted",
                        *c.declined):
             if reason not in {m.labels["reason"] for m in declined.samples}:

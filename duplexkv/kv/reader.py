@@ -48,7 +48,8 @@ from duplexkv.wire.kv_params import KVTransferParams
 
 log = logging.getLogger(__name__)
 # declines that mean the KV could not be loaded (kv_load_failure_policy applies to these)
-LOAD_FAILURES = ("failed", "bad_reply", "unreachable", "peer_down")
+# ("stalled": the READ moved no byte for read_stall_s, TcpConnector: the link to D is cut or D hung)
+LOAD_FAILURES = ("failed", "stalled", "bad_reply", "unreachable", "peer_down")
 
 
 @dataclass(slots=True)
@@ -220,10 +221,12 @@ class Reader:
             return self._landed(pull)
         if state is XferState.FAILED:
             err = h.error or "transfer failed"
-            if h.finished is not None and h.finished >= h.deadline:  # timed out: a bound
+            # timed out, or stalled (no byte for read_stall_s): the link did not move nbytes
+            # in that time, a bound on it
+            if h.stalled or (h.finished is not None and h.finished >= h.deadline):
                 self.link.observe_timed_out_read(peer, pull.nbytes, h.elapsed_s * 1e3)
             self.transfers.release(h)
-            return self._decline(pull, "failed", err)
+            return self._decline(pull, "stalled" if h.stalled else "failed", err)
         if now - pull.last_heartbeat > self.cfg.heartbeat_interval_s:
             pull.last_heartbeat = now
             p = pull.params

@@ -32,6 +32,8 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from duplexkv.router.worker_load import WorkerLoad
+
 log = logging.getLogger("duplexkv.router")
 RTT_SAMPLES = 16  # /health answers remembered per worker (~30 s of health checks)
 
@@ -59,6 +61,7 @@ class Backend:
     # with it (router/liveness.py), so a worker slow to answer under load is not given up on
     _rtts: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_SAMPLES))
     last_progress: float = 0.0  # time.monotonic() of its last answer or stream event
+    load: WorkerLoad = field(default_factory=WorkerLoad)  # what it last reported (worker_load.py)
 
     def progressed(self) -> None:
         self.last_progress = time.monotonic()
@@ -115,6 +118,7 @@ class Backend:
                 "outstanding": self.outstanding, "picks": self.picks, "errors": self.errors,
                 "warm": self.warm, "suspect": self.suspect, "last_error": self.last_error or None,
                 "kv_warning": self.kv_warning or None,
+                "reported_load": self.load.as_dict() if self.load.at else None,
                 "last_check_age_s": round(time.monotonic() - self.last_check, 3)
                 if self.last_check else None}
 

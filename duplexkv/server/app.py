@@ -39,17 +39,31 @@ from duplexkv.server.serving import OpenAIServing
 
 log = logging.getLogger("duplexkv.server")
 ENGINE_CALL_TIMEOUT_S = 5.0  # a busy engine answers between steps; longer than this = busy
+# /health waits this long for the engine thread, then answers with the snapshot it published
+# after a recent step: a long step (a big prefill under load) must not make /health late
+HEALTH_ENGINE_WAIT_S = 0.2
 
 
-async def _snapshot(aeng: AsyncEngine) -> EngineSnapshot | None:
+async def _snapshot(aeng: AsyncEngine,
+                    timeout_s: float = ENGINE_CALL_TIMEOUT_S) -> EngineSnapshot | None:
     """Engine state, or None when the engine thread is dead or too busy to answer in time."""
     if aeng.dead:
         return None
     try:
-        return await asyncio.wait_for(aeng.call(aeng.engine.snapshot),
-                                      ENGINE_CALL_TIMEOUT_S)
+        return await asyncio.wait_for(aeng.call(aeng.engine.snapshot), timeout_s)
     except (TimeoutError, RuntimeError):
         return None
+
+
+def _busy_state(aeng: AsyncEngine) -> dict:
+    """What /health says while the engine thread runs a step: the snapshot the engine published
+    after a recent step (its age), and how long the running step has taken so far."""
+    now, snap, started = time.monotonic(), aeng.last_snapshot, aeng.step_started
+    out: dict = {"engine_busy": True,
+                 "step_running_s": round(now - started, 3) if started else None}
+    if snap is not None:
+        out.update(snap.as_dict(), snapshot_age_s=round(now - aeng.snapshot_at, 3))
+    return out
 
 
 def default_max_request_bytes(max_model_len: int) -> int:
@@ -117,9 +131,9 @@ def build_app(aeng: AsyncEngine, served_model_names: str | Sequence[str],
     async def health() -> Response:
         if aeng.dead:
             return engine_unavailable(aeng.dead).response()
-        snap = await _snapshot(aeng)
+        snap = await _snapshot(aeng, HEALTH_ENGINE_WAIT_S)
         body: dict = {"status": "ok", "model": served_model_name}
-        body.update(snap.as_dict() if snap is not None else {"engine_busy": True})
+        body.update(snap.as_dict() if snap is not None else _busy_state(aeng))
         body["in_flight_requests"] = len(serving.ids.in_flight)
         if health_extra is not None:
             body.update(health_extra())

@@ -252,6 +252,9 @@ class Network:
                ns=self.hosts[x].ns)
 
     # processes -------------------------------------------------------------------------
+    def kill(self, name: str) -> None:
+        """SIGKILL every process of host `name` (its kernel stays: connections are refused)."""
+        _kill_ns_processes(self.hosts[name].ns)
     def prefix(self, name: str) -> tuple[str, ...]:
         """The command prefix that runs a program in `name`'s network stack."""
         return ("ip", "netns", "exec", self.hosts[name].ns)

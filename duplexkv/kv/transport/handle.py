@@ -34,6 +34,7 @@ class XferHandle:
     impl: object = field(default=None, repr=False)
     token: bytes = field(default=b"", repr=False)  # the holder's capability for this READ
     grant: bytes = field(default=b"", repr=False)  # what the holder exposed for it (NIXL)
+    stalled: bool = False  # FAILED because no byte moved for the transport's stall_s (TCP)
 
     @property
     def elapsed_s(self) -> float:

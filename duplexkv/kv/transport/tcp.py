@@ -23,7 +23,7 @@ from duplexkv.kv.transport.base import DEFAULT_TIMEOUT_S, KVTransport
 from duplexkv.kv.transport.handle import XferHandle, XferState
 from duplexkv.kv.transport.hooks import Peer
 from duplexkv.kv.transport.layout import PoolLayout
-from duplexkv.kv.transport.tcp_client import FORCE_FAIL_S, SLICE_S, Job, PeerLink
+from duplexkv.kv.transport.tcp_client import FORCE_FAIL_S, SLICE_S, STALL_S, Job, PeerLink
 from duplexkv.kv.transport.tcp_server import BlockServer
 
 log = logging.getLogger(__name__)
@@ -32,14 +32,16 @@ log = logging.getLogger(__name__)
 class TcpTransport(KVTransport[PeerLink]):
     """TCP transport. `host`/`port`: where the block server listens (port 0 = any free port);
     `advertise_host`: the address peers should dial (default: `host`, or the machine's name when
-    listening on a wildcard address)."""
+    listening on a wildcard address); `stall_s`: a READ that moved no byte this long fails
+    (tcp_client.py)."""
 
     overdue_grace_s = SLICE_S  # the link thread fails its own timeouts; step in only if it hangs
 
     def __init__(self, engine_id: str, timeout_s: float = DEFAULT_TIMEOUT_S,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 auth=None, **limits) -> None:
+                 auth=None, stall_s: float = STALL_S, **limits) -> None:
         super().__init__(engine_id, timeout_s)
+        self.stall_s = float(stall_s)
         from duplexkv.kv.auth import KVAuth
 
         self.auth = auth if auth is not None else KVAuth(None)
@@ -69,7 +71,8 @@ class TcpTransport(KVTransport[PeerLink]):
     def _connect_impl(self, peer: str, header: dict, blob: bytes,
                       layout: PoolLayout) -> PeerLink:
         assert self._mv is not None
-        return PeerLink(self.engine_id, peer, header, self._mv, layout.block_bytes, self.auth)
+        return PeerLink(self.engine_id, peer, header, self._mv, layout.block_bytes, self.auth,
+                        self.stall_s)
 
     def _start_read(self, h: XferHandle, conn: PeerLink, notif: bytes) -> None:
         h.impl = job = Job(h, notif)
@@ -122,7 +125,7 @@ class TcpTransport(KVTransport[PeerLink]):
 
     def _health_impl(self) -> dict:
         s = self._server
-        return {"listen": f"{s.host}:{s.port}" if s else None,
+        return {"listen": f"{s.host}:{s.port}" if s else None, "stall_s": self.stall_s,
                 "served": dict(s.served) if s else {}}
 
     def _peer_health(self, p: Peer[PeerLink]) -> dict:

@@ -1,5 +1,10 @@
 """Reader side of the TCP transport: one `PeerLink` per holder, with a cached connection and
-a thread that runs the peer's READs (and notifications) in order."""
+a thread that runs the peer's READs (and notifications) in order.
+
+A READ fails at its deadline (`timeout_s`, 10 s by default) or as soon as it has moved no byte
+for `stall_s` (STALL_S): a link cut or a holder that stopped mid-READ costs about a second (the
+reader then recomputes), while a slow link that keeps delivering (1 Mbit/s: ~30 KB each time
+slice) is never cut by it."""
 
 from __future__ import annotations
 
@@ -23,11 +28,16 @@ from duplexkv.kv.transport.layout import runs
 log = logging.getLogger(__name__)
 SLICE_S = 0.25  # socket timeout granularity: deadlines are checked at least this often
 FORCE_FAIL_S = 2.0  # a job still running this long after its deadline is failed regardless
+STALL_S = 1.0  # a READ that moved no byte (either way) for this long has stalled: failed
 REOPEN_IDLE_S = 60.0  # a kept connection idle this long is reopened (holders close at 120 s)
 
 
 class _Cancelled(Exception):
     pass
+
+
+class Stalled(TimeoutError):
+    """No byte of a READ moved (either way) for `stall_s`."""
 
 
 @dataclass(eq=False)
@@ -44,8 +54,9 @@ class PeerLink:
     """Reader side of one peer: a lazily (re)opened connection and the thread that uses it."""
 
     def __init__(self, me: str, peer: str, header: dict, local_mv: memoryview,
-                 block_bytes: int, auth) -> None:
+                 block_bytes: int, auth, stall_s: float = STALL_S) -> None:
         self.me, self.peer, self.header = me, peer, header
+        self.stall_s = stall_s
         self.auth = auth  # kv.auth.KVAuth: the HELLO's key
         self.addr = (header["host"], int(header["port"]))
         self.local_mv, self.bb = local_mv, block_bytes
@@ -137,11 +148,20 @@ class PeerLink:
         if time.monotonic() > h.deadline:
             return XferState.FAILED, f"READ from {self.peer!r} timed out in the queue"
 
+        last = [time.monotonic()]  # when a byte last moved
+
+        def moved(n: int) -> None:
+            last[0] = time.monotonic()
+
         def check() -> None:
             if job.cancelled:
                 raise _Cancelled()
-            if time.monotonic() > h.deadline:
+            now = time.monotonic()
+            if now > h.deadline:
                 raise TimeoutError(f"READ from {self.peer!r} timed out")
+            if now - last[0] > self.stall_s:
+                raise Stalled(f"READ from {self.peer!r} stalled (no byte moved for "
+                                   f"{self.stall_s:g} s)")
 
         try:
             check()
@@ -151,9 +171,11 @@ class PeerLink:
             for attempt in (0, 1):
                 cached = self.sock is not None
                 s = self._connect(h.deadline)
+                last[0] = time.monotonic()
                 try:
-                    w.sendmsg_all(s, [req, _pack_ids(h.remote_block_ids), job.notif], check)
-                    reply = w.recv_exact(s, w.READ_REPLY.size, check)
+                    w.sendmsg_all(s, [req, _pack_ids(h.remote_block_ids), job.notif], check,
+                                  moved)
+                    reply = w.recv_exact(s, w.READ_REPLY.size, check, moved)
                     break
                 except (ConnectionError, BrokenPipeError) as e:
                     # a kept connection the holder closed meanwhile (its idle timeout): no
@@ -164,14 +186,14 @@ class PeerLink:
                     log.info("connection to %s was closed (%s); reconnecting", self.peer, e)
             status, xfer_id, length = w.READ_REPLY.unpack(reply)
             if status != w.OK:
-                text = w.recv_exact(s, length, check).decode(errors="replace")
+                text = w.recv_exact(s, length, check, moved).decode(errors="replace")
                 return XferState.FAILED, f"{self.peer!r} refused the READ: {text}"
             if xfer_id != job.xfer_id or length != n * self.bb:
                 raise ConnectionError(f"protocol error: reply for READ {xfer_id} with {length} "
                                       f"bytes, expected READ {job.xfer_id} with {n * self.bb}")
             mv, bb = self.local_mv, self.bb
             w.recvmsg_all(s, [mv[first * bb : (first + count) * bb]
-                              for first, count in runs(h.local_block_ids)], check)
+                              for first, count in runs(h.local_block_ids)], check, moved)
             self.last_used = time.monotonic()
             return XferState.DONE, None
         except _Cancelled:
@@ -179,7 +201,8 @@ class PeerLink:
             return XferState.FAILED, "cancelled"
         except (OSError, ValueError) as e:
             self._drop()
-            why = "timed out" if isinstance(e, TimeoutError) else f"failed: {e}"
+            h.stalled = isinstance(e, Stalled)  # set before the result: the caller reads after
+            why = f"failed: {e}"
             where = f"{self.peer!r} at {self.addr[0]}:{self.addr[1]}"
             return XferState.FAILED, f"READ of {len(h.remote_block_ids)} blocks from {where} {why}"
 

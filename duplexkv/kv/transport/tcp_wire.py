@@ -88,8 +88,9 @@ def _advance(bufs: list[memoryview], i: int, n: int) -> int:
     return i
 
 
-def sendmsg_all(sock: socket.socket, bufs: list, check=None) -> None:
-    """Send every buffer, in order, in as few sendmsg calls as IOV_MAX allows."""
+def sendmsg_all(sock: socket.socket, bufs: list, check=None, moved=None) -> None:
+    """Send every buffer, in order, in as few sendmsg calls as IOV_MAX allows. `check()` runs
+    before each call (at least once a time slice); `moved(n)` after each call that moved bytes."""
     views = [memoryview(b).cast("B") for b in bufs if len(b)]
     i = 0
     while i < len(views):
@@ -99,10 +100,12 @@ def sendmsg_all(sock: socket.socket, bufs: list, check=None) -> None:
             sent = sock.sendmsg(views[i : i + IOV_MAX])
         except (BlockingIOError, InterruptedError):
             continue  # a time slice elapsed
+        if moved is not None and sent:
+            moved(sent)
         i = _advance(views, i, sent)
 
 
-def recvmsg_all(sock: socket.socket, bufs: list[memoryview], check=None) -> None:
+def recvmsg_all(sock: socket.socket, bufs: list[memoryview], check=None, moved=None) -> None:
     """Fill every buffer, in order: one recvmsg(MSG_WAITALL) per IOV_MAX buffers when the
     data keeps coming, so a whole read costs a few system calls and GIL hand-offs."""
     views = [b for b in bufs if len(b)]
@@ -116,12 +119,14 @@ def recvmsg_all(sock: socket.socket, bufs: list[memoryview], check=None) -> None
             continue  # a time slice elapsed
         if not got:
             raise PeerClosed("connection closed by peer")
+        if moved is not None:
+            moved(got)
         i = _advance(views, i, got)
 
 
-def recv_exact(sock: socket.socket, n: int, check=None) -> bytes:
+def recv_exact(sock: socket.socket, n: int, check=None, moved=None) -> bytes:
     buf = bytearray(n)
-    recvmsg_all(sock, [memoryview(buf)], check)
+    recvmsg_all(sock, [memoryview(buf)], check, moved)
     return bytes(buf)
 
 

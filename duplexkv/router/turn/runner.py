@@ -7,7 +7,8 @@
     3 legs      decode_local: the D leg alone (decode.py); if that D cannot serve, the plan
                 falls back and the turn runs through P as a miss; otherwise the P leg
                 (prefill.py), then the D leg with P's params. When P could not reach the
-                conversation's D for its pull (P's decline reason: unreachable, peer_down),
+                conversation's D for its pull (P's decline reason: unreachable, peer_down,
+                stalled),
                 that D is suspect (probed, liveness.py) and this turn's D leg goes elsewhere
     4 remember  D's params, for the next turn (the D leg stores them, before a stream's [DONE])
 Failures follow retry.py; calls.py says what a worker's failure does and what a client sees.
@@ -37,7 +38,8 @@ from duplexkv.router.upstream import Upstream
 from duplexkv.router.warmup import PairWarmer
 
 log = logging.getLogger("duplexkv.router")
-UNREACHED = ("unreachable", "peer_down")  # P's pull declines that say D is out of its reach
+# P's pull declines that say D is out of its reach (stalled: its READ from D stopped moving)
+UNREACHED = ("unreachable", "peer_down", "stalled")
 
 
 class TurnRunner:
@@ -47,7 +49,7 @@ class TurnRunner:
         self.cfg, self.pool, self.conversations, self.metrics = cfg, pool, conversations, metrics
         self.policy = policy
         calls = WorkerCalls(upstream, metrics, cfg.worker_headers(),
-                            Liveness(upstream.client, alternative=pool.has_alternative))
+                            Liveness(upstream.probe_client, alternative=pool.has_alternative))
         check = TokenCheck(calls, pool, metrics, cfg.kv_recompute_threshold)
         self.prefill = PrefillLeg(pool, calls, policy, metrics, check, warmer,
                                   cfg.rewrite_remote_host)
