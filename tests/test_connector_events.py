@@ -12,6 +12,7 @@ from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine
 from duplexkv.kv.config import KVTransferConfig
 from duplexkv.kv.connector import KVConnector
+from workers import TEST_SECRET
 
 
 def engine(model) -> tuple[LLMEngine, KVConnector]:
@@ -32,7 +33,9 @@ def run_until_finished(eng: LLMEngine, rid: str):
     raise AssertionError("no answer in 60 s")
 
 
-def test_landed_first_token_leaves_before_a_forward_pass(tiny_model_dir):
+def test_landed_first_token_leaves_before_a_forward_pass(tiny_model_dir, monkeypatch):
+    # a cluster secret, as every cluster has (`up` makes one): without it D pulls nothing
+    monkeypatch.setenv("DUPLEXKV_KV_SECRET", TEST_SECRET)
     p, pc = engine(tiny_model_dir)
     d, dc = engine(tiny_model_dir)
     try:
