@@ -42,6 +42,7 @@ DEFAULT_REQUEST_TIMEOUT_S = 10.0
 MAX_DEFAULT_CONNECTIONS = 8192
 # descriptors kept for the process itself (model files, logs, the KV plane, sockets to peers)
 RESERVED_FILES = 128
+REFUSE_LINGER_S = 0.5
 
 
 def raise_open_files() -> int:
@@ -154,14 +155,24 @@ class BoundedConnection(H11Protocol):
         self.done_cycle = None  # the last request cycle whose body was read in full
         self.started = False  # a byte of the current request arrived
         self.deadline: asyncio.TimerHandle | None = None
+        self.refused = False
         self.gate.live.add(self)
         if len(self.gate.live) > self.gate.limits.max_connections:
-            self.gate.live.discard(self)
-            self.gate.refused += 1
-            transport.write(BUSY)
-            transport.close()
+            self.refuse()
             return
         self.wait_for_request()
+
+    def refuse(self) -> None:
+        """The 503, then the client's request is read and dropped for REFUSE_LINGER_S before
+        the close (closing with its request unread would reset the connection, and the client
+        could lose the 503)."""
+        self.refused = True
+        self.gate.live.discard(self)
+        self.gate.refused += 1
+        self.transport.write(BUSY)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(REFUSE_LINGER_S, self.transport.close)
 
     def wait_for_request(self) -> None:
         self.gate.make_room()
@@ -186,6 +197,8 @@ class BoundedConnection(H11Protocol):
             self.request_read()
 
     def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
         self.started = True
         super().data_received(data)
         self.check_read()
