@@ -11,6 +11,7 @@ from dataclasses import fields
 
 from duplexkv.engine.config import EngineConfig
 from duplexkv.engine.dtype import DTYPE_CHOICES
+from duplexkv.engine.process_env import apply_worker_env
 from duplexkv.flags import Accumulate
 from duplexkv.http.connections import add_connection_args, limits_from, raise_open_files
 from duplexkv.server.chat_flags import add_chat_parsing_args, chat_parsing
@@ -113,6 +114,11 @@ def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; bad settings raise ValueError (one CLI error line)."""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # before anything imports torch (OpenMP and oneDNN read them when they load)
+    set_env = apply_worker_env()
+    if set_env:
+        log.info("environment defaults set (a variable set by the user wins; an empty one keeps "
+                 "the library's default): %s", " ".join(f"{k}={v}" for k, v in set_env.items()))
     config = engine_config(args)
     names = served_names(args)
     if args.max_request_bytes is not None and args.max_request_bytes < 1024:
