@@ -42,7 +42,8 @@ def own_files():
     """This process holds the flood's sockets: its soft limit up to its hard limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 2 * (IDLE + SLOW) + 200:
-        pytest.skip(f"the test needs {2 * (IDLE + SLOW) + 200} open files, the hard limit is {hard}")
+        pytest.skip(f"the test needs {2 * (IDLE + SLOW) + 200} open files, the hard limit is "
+                    f"{hard}")
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     yield
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -133,8 +133,9 @@ class ConnectionGate:
         self.timed_out = 0
 
     def stats(self) -> dict:
-        return {"open": len(self.live), "pending": len(self.pending), "refused": self.refused, "evicted": self.evicted,
-                "timed_out": self.timed_out, "max_connections": self.limits.max_connections,
+        return {"open": len(self.live), "pending": len(self.pending), "refused": self.refused,
+                "evicted": self.evicted, "timed_out": self.timed_out,
+                "max_connections": self.limits.max_connections,
                 "max_pending": self.limits.max_pending}
 
     def make_room(self) -> None:
