@@ -186,3 +186,31 @@ def test_repeated_errors_logged_once_per_interval_with_a_count():
     assert "9999 more times" in passed[1], passed[1]
     info = logging.LogRecord("x", logging.INFO, "", 0, "a request", (), None)
     assert f.filter(info) and f.filter(info)  # info lines are never collapsed
+
+
+def test_stream_on_a_reused_connection_is_not_cut(server):
+    """A keep-alive connection's second request, streaming past the deadline, runs to its end."""
+    port, _ = server
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(get("/", close=False))
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200"), first
+        time.sleep(DEADLINE_S / 2)
+        s.sendall(get("/stream", close=True))
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 200") and b"chunk2" in got and b"ok " in got, got
+
+
+def test_body_in_parts_then_a_long_stream_is_not_cut(server):
+    port, _ = server
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /stream HTTP/1.1\r\nHost: x\r\nconnection: close\r\n"
+                  b"content-length: 6\r\n\r\nabc")
+        time.sleep(DEADLINE_S / 3)
+        s.sendall(b"def")
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 200") and b"chunk2" in got and b"ok abcdef" in got, got
