@@ -14,6 +14,7 @@ run belong together.
     .venv/bin/duplexkv bench soak --duration 600            # docs/results/soak.md
     .venv/bin/duplexkv bench soak --duration 150 --debug-memory 30 --json out/soak.json
     .venv/bin/duplexkv bench soak --duration 150 --env MALLOC_ARENA_MAX=  # unset a default
+    .venv/bin/duplexkv bench soak --duration 600 --as-serve  # without the launcher's env
 
 `--debug-memory S` starts the processes with DUPLEXKV_DEBUG_MEMORY=1 and records every S seconds
 what GET /debug/memory says (maps' sizes, gc object counts, glibc heap state); `--tracemalloc N`
@@ -39,12 +40,16 @@ import httpx
 from duplexkv import launch
 from duplexkv.engine.dtype import DTYPE_CHOICES, native_bf16_flag, read_cpu_flags
 from duplexkv.engine.dtype import describe as describe_dtype
+from duplexkv.engine.process_env import WORKER_ENV_DEFAULTS
 from duplexkv.launch import Cluster, ClusterSpec
 from duplexkv.model.registry import resolve_model
 from duplexkv.model.tokenizer import Tokenizer
 from duplexkv_bench.client import RequestFailed, Result, Target, chat_turn
 from duplexkv_bench.workload import Sizes, TextSource, materialise, plan
 
+# what a worker sets itself when its environment lacks it (kept: --as-serve empties the
+# launcher's copy)
+WORKER_SETS = dict(WORKER_ENV_DEFAULTS)
 # short turns over a few thousand tokens of history: many requests, retention under pressure
 SOAK_SIZES = Sizes(256, (100, 400), (32, 96), max_turns=8, first_prefix=(500, 1500))
 
@@ -209,18 +214,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="environment of every process (empty VALUE: unset)")
+    ap.add_argument("--as-serve", action="store_true",
+                    help="start the processes as a user's `duplexkv serve` and `duplexkv router` "
+                         "by hand: without the launcher's environment defaults")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300, help="per-request timeout, seconds")
     ap.add_argument("--json", type=Path, default=None, help="write samples and summary here")
     args = ap.parse_args(argv)
 
+    if args.as_serve:  # the launcher adds none of its defaults: each worker sets its own
+        launch.WORKER_ENV_DEFAULTS.clear()
     for kv in args.env:
         key, _, value = kv.partition("=")
         if value:
             os.environ[key] = value
+        elif key in WORKER_SETS:
+            os.environ[key] = ""  # the worker then keeps the library's own default
         else:
             os.environ.pop(key, None)
-            launch.WORKER_ENV_DEFAULTS.pop(key, None)
     if args.debug_memory:
         os.environ["DUPLEXKV_DEBUG_MEMORY"] = "1"
     if args.tracemalloc:
@@ -234,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = ClusterSpec(model=args.model, connector="TcpConnector", bidirectional=True,
                        worker_args=("--dtype", args.dtype),
                        prefill_args=prefill_args, decode_args=decode_args)
-    env_note = {k: os.environ.get(k) or launch.WORKER_ENV_DEFAULTS.get(k) for k in (
+    env_note = {k: os.environ.get(k, launch.WORKER_ENV_DEFAULTS.get(
+        k, f"{WORKER_SETS[k]} (set by the worker)" if k in WORKER_SETS else None)) for k in (
         "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "OMP_WAIT_POLICY",
         "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
     print(f"soak: {args.duration:.0f} s, {args.clients} conversations at once, model "

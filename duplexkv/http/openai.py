@@ -28,6 +28,9 @@ from duplexkv.wire.structured import StructuredOutput
 Kind = Literal["completion", "chat"]
 ROLES = ("system", "user", "assistant", "tool", "developer")  # developer is sent as system
 _MISSING = object()
+# /v1/completions without max_tokens: OpenAI's legacy default, and vLLM's (its CompletionRequest
+# has max_tokens=16, a null one included); chat fills the rest of the context (vLLM)
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +40,8 @@ class GenerateRequest:
     prompt: str | list[int] | None = None  # completions
     messages: list[dict] | None = None  # chat, normalised to text content
     add_generation_prompt: bool = True
-    max_tokens: int | None = None  # None: fill the context, as vLLM does
+    # None: the endpoint's default (completions: 16, chat: the rest of the context; vLLM's)
+    max_tokens: int | None = None
     # SamplingParams' other fields (n: choices, each sampled on its own with seed + index, the
     # prompt computed once), type-checked; their ranges are checked by SamplingParams
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -111,9 +115,7 @@ def parse_request(body: dict, kind: Kind, features: Features = NONE) -> Generate
     else:
         f.reject("logprobs", (False,), "logprobs are not returned")
         f.reject("top_logprobs", (0,), "logprobs are not returned")
-    max_tokens = f.integer("max_tokens")
-    if kind == "chat":
-        max_tokens = f.integer("max_completion_tokens", max_tokens)
+    max_tokens = _max_tokens(f)
     stream = f.boolean("stream")
     options = f.get("stream_options", (dict,), "an object", {})
     include_usage = _Fields(options).get("include_usage", (bool,), "a boolean", False)
@@ -139,6 +141,19 @@ def parse_request(body: dict, kind: Kind, features: Features = NONE) -> Generate
     return GenerateRequest(messages=parse_messages(body["messages"]),
                            add_generation_prompt=f.boolean("add_generation_prompt", True),
                            chat_options=options, structured=forced or structured, **common)
+
+
+def _max_tokens(f: _Fields) -> int | None:
+    """max_completion_tokens, else max_tokens (vLLM's and OpenAI's precedence), on both
+    endpoints; each an integer >= 1 when given."""
+    out = None
+    for name in ("max_tokens", "max_completion_tokens"):
+        v = f.integer(name)
+        if v is not None:
+            if v < 1:
+                raise bad_request(f"`{name}` must be an integer >= 1, got {v}", name)
+            out = v
+    return out
 
 
 # a SamplingParams field's type -> how its JSON value is read (None or absent: the default)

@@ -19,14 +19,14 @@ log = logging.getLogger("duplexkv.http")
 
 # parsed by duplexkv.http.openai / chat_options, per endpoint (a chat field sent to completions
 # is unknown there, as in vLLM)
-_COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-           "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "stop",
-           "stop_token_ids", "ignore_eos", "min_tokens", "stream", "stream_options",
-           "return_token_ids", "kv_transfer_params", "n", "logprobs", "echo", "suffix",
-           "best_of")
+_COMMON = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+           "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+           "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "stream",
+           "stream_options", "return_token_ids", "kv_transfer_params", "n", "logprobs", "echo",
+           "suffix", "best_of")
 HONOURED = {
     "completion": frozenset((*_COMMON, "prompt")),
-    "chat": frozenset((*_COMMON, "messages", "max_completion_tokens", "add_generation_prompt",
+    "chat": frozenset((*_COMMON, "messages", "add_generation_prompt",
                        "tools", "tool_choice", "parallel_tool_calls", "documents",
                        "chat_template_kwargs", "top_logprobs")),
 }

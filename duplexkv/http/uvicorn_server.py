@@ -26,3 +26,20 @@ class CleanExitServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         log.info("%s: shutting down", signal.Signals(sig).name)
         super().handle_exit(sig, frame)
+
+
+def bounded_server(app, host: str, port: int, limits, **config) -> CleanExitServer:
+    """A CleanExitServer whose connections are bounded by `limits`
+    (duplexkv.http.connections.ConnectionLimits), with repeated log lines collapsed."""
+    from duplexkv.http.connections import bounded_protocol
+    from duplexkv.http.log_repeats import collapse_repeats
+
+    protocol, gate = bounded_protocol(limits)
+    server = CleanExitServer(uvicorn.Config(app, host=host, port=port, http=protocol,
+                                            log_level="warning", access_log=False,
+                                            timeout_graceful_shutdown=5, **config))
+    server.connection_gate = gate
+    collapse_repeats()  # after uvicorn.Config: it installs uvicorn's handlers
+    log.info("connections: at most %d open, %d without a complete request; %g s to send a "
+             "request", limits.max_connections, limits.max_pending, limits.request_timeout_s)
+    return server

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from duplexkv.engine.process_env import WORKER_ENV_DEFAULTS
 from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV
 from duplexkv.kv.auth import ENV as KV_SECRET_ENV
 
@@ -90,19 +91,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-# Several workers share the cores of one machine. OpenMP threads that spin while waiting for
-# work (libgomp's default) steal those cores from the other worker: P prefilling while D
-# decodes, 2 threads each on 2 cores, ran 2.4-3.5x slower than with passive waiting, which costs
-# nothing for a worker running alone (`duplexkv bench omp_contention`). The user's setting wins.
-# oneDNN keeps a JIT-compiled matmul per input shape in two LRU caches (its primitive cache and
-# ideep's), 1024 entries each by default: in bf16 on an AMX CPU every new prefill length adds
-# ~0.3 MB there, so a worker's RSS rose by ~600 MB before the caches filled. 256 entries still
-# hold every decode batch size (<= 64 per weight shape). (Free heap memory is returned by the
-# engine's periodic malloc_trim: engine/memory.py.)
-WORKER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256",
-                       "LRU_CACHE_CAPACITY": "256"}
-
-
 # The KV cluster secret of every process this launcher starts, unless the environment or the
 # caller sets one: workers started together authenticate each other, and nothing else on the
 # host can feed them KV or read theirs (docs/security.md). Passed by environment, never argv.
@@ -110,8 +98,10 @@ LAUNCH_SECRET = secrets.token_hex(32)
 
 
 def worker_env(extra: dict | None = None) -> dict:
-    """A worker's environment: the defaults above (the launcher's KV secret included), then
-    ours, loopback UCX unless set, `extra` (a None value there removes the variable)."""
+    """A worker's environment: WORKER_ENV_DEFAULTS (which the worker also sets itself:
+    engine/process_env.py; here too, so the process has them from exec on) and the launcher's KV
+    secret, then ours, loopback UCX unless set, `extra` (a None value there removes the
+    variable)."""
     env = {**WORKER_ENV_DEFAULTS, KV_SECRET_ENV: LAUNCH_SECRET, **os.environ,
            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(extra or {})}
     return {k: v for k, v in env.items() if v is not None}

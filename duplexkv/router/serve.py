@@ -10,6 +10,7 @@ import sys
 
 from duplexkv.discovery.record import DISCOVERY_ENV, discovery_url
 from duplexkv.flags import Accumulate
+from duplexkv.http.connections import add_connection_args, limits_from, raise_open_files
 from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, check_key, keys_from
 from duplexkv.router.config import DEFAULT_CONVERSATION_TTL_S, RouterConfig
 from duplexkv.router.placement import DEFAULT_MODE, MODES, PlacementConfig
@@ -112,6 +113,7 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--decode-local-max-outstanding", type=int, default=4, metavar="N",
                    help="with --placement auto: D takes a turn's prefill only while it has fewer "
                         "requests than this in flight")
+    add_connection_args(p)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run_router)
     return p
@@ -152,19 +154,16 @@ def run_router(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call otherwise
     cfg = router_config(args)
-    import uvicorn
-
-    from duplexkv.http.uvicorn_server import CleanExitServer as Server
+    # each client request holds an upstream connection to a worker: two descriptors
+    limits = limits_from(args, raise_open_files(), per_connection=2)
+    from duplexkv.http.uvicorn_server import bounded_server
     from duplexkv.router.app import build_app
 
     app = build_app(cfg)
     # the app answers headers over cfg.max_header_bytes with a 431 in OpenAI's shape; h11 refuses
     # (400) only what is far beyond that
-    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, lifespan="on",
-                                   log_level="warning", access_log=False,
-                                   timeout_graceful_shutdown=5,
-                                   h11_max_incomplete_event_size=max(64 << 10,
-                                                                     2 * cfg.max_header_bytes)))
+    server = bounded_server(app, cfg.host, cfg.port, limits, lifespan="on",
+                            h11_max_incomplete_event_size=max(64 << 10, 2 * cfg.max_header_bytes))
     asyncio.run(_serve(server, app))
     return 0 if server.started else 1
 

@@ -15,7 +15,7 @@ from duplexkv.engine.llm_engine import LLMEngine, RequestRejected
 from duplexkv.wire.sampling import SamplingParams
 from duplexkv.http.errors import bad_request, model_not_found
 from duplexkv.http.features import Features
-from duplexkv.http.openai import GenerateRequest, Kind, parse_request
+from duplexkv.http.openai import COMPLETION_DEFAULT_MAX_TOKENS, GenerateRequest, Kind, parse_request
 from duplexkv.http.request_id import clean_request_id
 
 PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
@@ -36,13 +36,15 @@ def prepare(engine: LLMEngine, served_model_names: tuple[str, ...], body: dict,
     if req.model is not None and req.model not in served_model_names:
         raise model_not_found(req.model)
     ids = _tokenize(engine, req)
-    # default max_tokens: the rest of the context, as vLLM does (bounded by the KV pool), or
-    # the generation config's max_new_tokens when smaller
+    # default max_tokens, as vLLM: completions 16, chat the rest of the context (bounded by the
+    # KV pool) or the generation config's max_new_tokens when smaller
     cap = engine.capacity()
     limit = min(cap.max_model_len, cap.kv_tokens)
     defaults = engine.sampling_defaults
+    default = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else \
+        defaults.get("max_tokens", limit)
     max_tokens = req.max_tokens if req.max_tokens is not None else \
-        max(1, min(limit - len(ids), defaults.get("max_tokens", limit)))
+        max(1, min(limit - len(ids), default))
     kwargs = req.sampling_kwargs(max_tokens)
     # the model's generation config fills what the request left out (vLLM)
     kwargs.update({k: v for k, v in defaults.items() if k != "max_tokens" and body.get(k) is None})

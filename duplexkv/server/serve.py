@@ -11,7 +11,9 @@ from dataclasses import fields
 
 from duplexkv.engine.config import EngineConfig
 from duplexkv.engine.dtype import DTYPE_CHOICES
+from duplexkv.engine.process_env import apply_worker_env
 from duplexkv.flags import Accumulate
+from duplexkv.http.connections import add_connection_args, limits_from, raise_open_files
 from duplexkv.server.chat_flags import add_chat_parsing_args, chat_parsing
 from duplexkv.server.discovery import DiscoverySpec, add_discovery_args, run_registration
 
@@ -80,6 +82,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cost-calibration-s", type=float, default=2.0, metavar="S",
                    help="time budget of the prefill cost model's start-up calibration (the KV "
                         "pull decision); 0 skips it (the model then learns from real prefills)")
+    add_connection_args(p)
     add_chat_parsing_args(p)
     add_discovery_args(p)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -111,6 +114,11 @@ def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; bad settings raise ValueError (one CLI error line)."""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # before anything imports torch (OpenMP and oneDNN read them when they load)
+    set_env = apply_worker_env()
+    if set_env:
+        log.info("environment defaults set (a variable set by the user wins; an empty one keeps "
+                 "the library's default): %s", " ".join(f"{k}={v}" for k, v in set_env.items()))
     config = engine_config(args)
     names = served_names(args)
     if args.max_request_bytes is not None and args.max_request_bytes < 1024:
@@ -120,12 +128,11 @@ def run_serve(args: argparse.Namespace) -> int:
     api_keys = keys_from(args.api_key)
     parsing = chat_parsing(args)
     discovery = DiscoverySpec.from_args(args)
+    limits = limits_from(args, raise_open_files())
     # heavy imports only once the arguments are known to be good
-    import uvicorn
-
     from duplexkv.engine.async_engine import AsyncEngine
     from duplexkv.engine.llm_engine import LLMEngine
-    from duplexkv.http.uvicorn_server import CleanExitServer as Server
+    from duplexkv.http.uvicorn_server import bounded_server
     from duplexkv.server.app import build_app
     from duplexkv.server.kv_hook import attach_kv_transfer
 
@@ -148,9 +155,7 @@ def run_serve(args: argparse.Namespace) -> int:
         app = build_app(aeng, names, health_extra, collectors, args.max_request_bytes, api_keys,
                         parsing)
         add_kv_routes(app)
-        server = Server(uvicorn.Config(app, host=args.host,
-                                       port=args.port, lifespan="off", log_level="warning",
-                                       access_log=False, timeout_graceful_shutdown=5))
+        server = bounded_server(app, args.host, args.port, limits, lifespan="off")
         keys = f"; {len(api_keys)} API key(s) required" if api_keys else ""
         join = None if discovery is None else (
             lambda host, port: registration.setdefault(

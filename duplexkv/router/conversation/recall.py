@@ -57,6 +57,8 @@ class Conversations:
                  rewrite_host: bool = True, keeper: LeaseKeeper | None = None) -> None:
         self.store, self.metrics, self.rewrite_host = store, metrics, rewrite_host
         self.keeper = keeper  # lifecycle.py: renews the leases of active conversations
+        if keeper is not None:
+            keeper.prune = store.prune  # and drops what D released from an in-memory store
         self._warned: set[str] = set()  # D workers already logged as not retaining
 
     async def recall(self, api_key: str | None, conversation_id: str | None,

@@ -17,6 +17,7 @@ import json
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -101,6 +102,11 @@ class ConversationStore(ABC):
         """Entries held in this process's memory (GET /debug/memory); 0 for a remote store."""
         return 0
 
+    def prune(self, dead: Callable[[Entry], bool]) -> int:
+        """Drop the entries held in this process for which `dead(entry)`; how many (a remote
+        store holds none here: its TTL bounds it)."""
+        return 0
+
 
 class MemoryStore(ConversationStore):
     """One process: an OrderedDict in expiry order (one TTL for all: put order = expiry order)."""
@@ -139,6 +145,12 @@ class MemoryStore(ConversationStore):
 
     def held_here(self) -> int:
         return len(self._entries)
+
+    def prune(self, dead: Callable[[Entry], bool]) -> int:
+        gone = [k for k, (_, entry) in self._entries.items() if dead(entry)]
+        for k in gone:
+            del self._entries[k]
+        return len(gone)
 
     async def peek(self, key: str) -> Entry | None:
         item = self._entries.get(key)

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
+from duplexkv.http.openai import COMPLETION_DEFAULT_MAX_TOKENS
 from duplexkv.router.backends import Backend, BackendPool, in_flight
 from duplexkv.router.legs import dumps
 from duplexkv.router.liveness import WentDown
@@ -54,10 +55,14 @@ def migratable(body: dict) -> bool:
             and not body.get("tools") and not body.get("echo"))
 
 
-def continuation_body(body: dict, ids: list[int], sent: int) -> dict | None:
-    """The completion that continues `body` after `sent` tokens; None when none is left."""
+def continuation_body(body: dict, ids: list[int], sent: int,
+                      default_limit: int | None = None) -> dict | None:
+    """The completion that continues `body` after `sent` tokens; None when none is left.
+    `default_limit`: the original endpoint's max_tokens when the body names none."""
     out = {k: v for k, v in body.items() if k not in DROPS}
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    limit = body.get("max_completion_tokens")
+    limit = body.get("max_tokens") if limit is None else limit
+    limit = default_limit if limit is None else limit
     if isinstance(limit, int):
         if limit - sent <= 0:
             return None
@@ -112,7 +117,8 @@ class Migration:
                 if prompt is None:
                     continue
             sent = list(relay.output_ids or ())
-            body = continuation_body(self.turn.req.body, prompt + sent, len(sent))
+            body = continuation_body(self.turn.req.body, prompt + sent, len(sent),
+                                     None if self.chat else COMPLETION_DEFAULT_MAX_TOKENS)
             log.warning("%s: continuing the stream on %s after %d tokens",
                         self.turn.request_id, d.name, len(sent))
             if body is None:  # every token was sent: only the end is missing
