@@ -1,6 +1,11 @@
 """The continuation request and chunks of a migrated stream (duplexkv/router/turn/migrate.py)."""
 
-from duplexkv.router.turn.migrate import as_client_chunk, continuation_body, migratable
+from duplexkv.router.turn.migrate import (
+    as_client_chunk,
+    continuation_body,
+    default_limit,
+    migratable,
+)
 
 
 def test_continuation_takes_the_sent_tokens_off_the_limits():
@@ -32,3 +37,15 @@ def test_a_continuation_chunk_takes_the_clients_shape():
     out = as_client_chunk({"choices": [], "usage": usage}, {**head, "object": "text_completion"},
                           chat=False, prompt=5, sent=2)
     assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15}
+
+
+def test_a_chat_without_max_tokens_is_continued_to_the_end_of_the_context():
+    """A chat names no max_tokens: the continuation (a completion, whose default is 16 since
+    completions default as vLLM's) is given the rest of the D's context, not 16 tokens."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    prompt, sent = [5] * 100, [6] * 30
+    out = continuation_body(chat, prompt + sent, len(sent),
+                            default_limit(True, 4096, len(prompt)))
+    assert out["max_tokens"] == 4096 - 100 - 30
+    assert default_limit(False, 4096, 100) == 16  # a completion's own default
+    assert default_limit(True, None, 100) is None  # unknown length: the worker's default

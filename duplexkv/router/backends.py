@@ -51,6 +51,7 @@ class Backend:
     last_error: str = ""
     last_check: float = 0.0
     models: tuple[str, ...] = ()
+    max_model_len: int | None = None  # /v1/models' (ours and vLLM's): a continuation's limit
     kind: str | None = None  # who serves it (/v1/models `owned_by`: "duplexkv", "vllm", ...)
     block_size: int | None = None  # a vLLM worker's KV block (its /metrics), for verify.py
     kv_warning: str = ""  # a KV plane that workers on other hosts cannot reach

@@ -128,6 +128,8 @@ class HealthChecker:
             data = r.json().get("data") if r.status_code == 200 else None
             if isinstance(data, list):
                 b.models = tuple(m["id"] for m in data if isinstance(m, dict) and "id" in m)
+                lens = [m.get("max_model_len") for m in data if isinstance(m, dict)]
+                b.max_model_len = next((n for n in lens if type(n) is int and n > 0), None)
                 owner = data[0].get("owned_by") if data and isinstance(data[0], dict) else None
                 b.kind = owner[:32] if isinstance(owner, str) and owner else None
             if b.kind == "vllm":

@@ -76,6 +76,14 @@ def continuation_body(body: dict, ids: list[int], sent: int,
     return out
 
 
+def default_limit(chat: bool, max_model_len: int | None, prompt: int) -> int | None:
+    """The original request's max_tokens when it names none: a completion's 16 (OpenAI's and
+    vLLM's default), a chat's rest of the context (None when the worker's length is unknown)."""
+    if not chat:
+        return COMPLETION_DEFAULT_MAX_TOKENS
+    return None if max_model_len is None else max(max_model_len - prompt, 0)
+
+
 def as_client_chunk(obj: dict, head: dict, chat: bool, prompt: int, sent: int) -> dict:
     """A continuation's completion chunk -> the client's chunk (its endpoint's shape)."""
     out = {**obj, **head}
@@ -118,7 +126,7 @@ class Migration:
                     continue
             sent = list(relay.output_ids or ())
             body = continuation_body(self.turn.req.body, prompt + sent, len(sent),
-                                     None if self.chat else COMPLETION_DEFAULT_MAX_TOKENS)
+                                     default_limit(self.chat, d.max_model_len, len(prompt)))
             log.warning("%s: continuing the stream on %s after %d tokens",
                         self.turn.request_id, d.name, len(sent))
             if body is None:  # every token was sent: only the end is missing
