@@ -86,6 +86,9 @@ def url_of(port: int) -> str:
 
 
 def start_router(log: Path, *args: str, env: dict | None = None) -> Router:
+    # the workers' cluster secret (start_worker's), which signs their discovery records: the
+    # launcher would otherwise give the router its own random one
+    env = {"DUPLEXKV_KV_SECRET": TEST_SECRET, **(env or {})}
     p = spawn(log.stem, ["router", "--port", "0", "--health-interval", "0.5",
                          "--discovery-interval", str(POLL), *args], log.parent, env)
     try:
