@@ -202,3 +202,26 @@ def test_requests_holding_their_blocks_pass_a_blocked_head():
     assert sched.blocked_head is head and list(sched.waiting) == [head]
     sched.finish(landed, "stop")
     assert [x.seq for x in sched.schedule()] == [head]
+
+
+def test_waiting_requests_holding_all_blocks_give_them_up_rather_than_lock():
+    """Two requests whose remote KV landed hold every block between them, and each needs one
+    more for its last prompt token: neither could run, nothing ran to free a block, and D
+    stood still (a soak: 0 running, 40 waiting, ~1,000 of 1,024 blocks held). The newest
+    gives its blocks up and recomputes later; the older runs now."""
+    bm = BlockManager(8, BS, False, b"s")
+    sched = Scheduler(bm, max_num_batched_tokens=1024, max_num_seqs=8)
+    older = make_seq(0, range(4 * BS + 1))  # 4 blocks of landed KV + one more token
+    newer = make_seq(1, range(100, 100 + 4 * BS + 1))
+    for seq in (older, newer):
+        sched.park_for_remote_kv(seq)
+        assert sched.reserve_for_remote_kv(seq, 4 * BS) is not None
+    for seq in (older, newer):
+        sched.resume(seq, 4 * BS)
+    assert bm.num_free_blocks == 0
+    assert [x.seq for x in sched.schedule()] == [older]
+    assert newer.block_table == [] and newer.num_computed_tokens == 0
+    assert newer.stats.preemptions == 1 and list(sched.waiting) == [newer]
+    sched.finish(older, "stop")
+    assert [x.seq for x in sched.schedule()] == [newer]  # recomputed from its prompt
+    assert sum(bm.blocks[b].ref_count for b in range(8)) == len(newer.block_table)

@@ -5,6 +5,9 @@ costs one token, an unfinished prefill takes the next chunk), then waiting seque
 in arrival order while budget, sequence slots and blocks last. When a running sequence cannot get
 a block, the most recently admitted running sequence is preempted: its blocks are freed and it
 goes back to the front of the queue to be recomputed (its prefix usually hits the cache).
+Waiting sequences whose remote KV landed hold their blocks and may pass a head that cannot get
+blocks; when nothing runs and none of them can get the block it still needs (they hold the pool
+between them), the newest gives its blocks up and is recomputed later, so the pool never locks.
 """
 
 from __future__ import annotations
@@ -31,6 +34,21 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """True when this chunk reaches the sequence's last token, so its logits are needed."""
         return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+def holds_own_blocks(seq: Sequence) -> bool:
+    """Blocks beyond shared prefix hits (e.g. remote KV that landed in them)."""
+    return seq.num_blocks > seq.num_hashed_blocks
+
+
+def insert_by_arrival(queue: deque[Sequence], seq: Sequence) -> None:
+    """Into the queue at its arrival position, so that requests resumed after a pull (or that
+    gave their blocks up) neither jump nor fall behind the others."""
+    for i, other in enumerate(queue):
+        if other.arrival_time > seq.arrival_time:
+            queue.insert(i, seq)
+            return
+    queue.append(seq)
 
 
 class Scheduler:
@@ -86,14 +104,23 @@ class Scheduler:
                 i += 1
                 continue
             break  # seq itself was preempted; nothing after it is left
-        # then admit waiting sequences in order; behind a head that cannot get its blocks, only
+        self._admit(batch, budget)
+        # nothing runs and the queue's own blocks fill the pool: none of them can ever get the
+        # block it still needs, so the newest holder gives its blocks up (it recomputes later)
+        while not batch and not self.running and self._unlock():
+            self._admit(batch, self.budget)
+        return batch
+
+    def _admit(self, batch: list[ScheduledSeq], budget: int) -> None:
+        """Admit waiting sequences into `batch` in order while budget, slots and blocks last."""
+        # admit waiting sequences in order; behind a head that cannot get its blocks, only
         # sequences that already hold their own (landed remote KV) may pass it: they need little
         # more, and running them is the only way their blocks come free again
         self.blocked_head = None
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            if self.blocked_head is not None and not self._holds_own_blocks(seq):
+            if self.blocked_head is not None and not holds_own_blocks(seq):
                 i += 1
                 continue
             if not seq.block_table:
@@ -115,12 +142,18 @@ class Scheduler:
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
-        return batch
 
-    @staticmethod
-    def _holds_own_blocks(seq: Sequence) -> bool:
-        """Blocks beyond shared prefix hits (e.g. remote KV that landed in them)."""
-        return seq.num_blocks > seq.num_hashed_blocks
+    def _unlock(self) -> bool:
+        """Free the blocks of the newest waiting sequence that holds its own (landed remote KV),
+        behind a head that cannot get blocks; False when there is none."""
+        holders = [q for q in self.waiting if holds_own_blocks(q)]
+        if self.blocked_head is None or not holders:
+            return False
+        victim = max(holders, key=lambda q: q.arrival_time)
+        self.waiting.remove(victim)
+        self._drop_blocks(victim)
+        insert_by_arrival(self.waiting, victim)
+        return True
 
     def apply_prefix_hit(self, seq: Sequence) -> None:
         # at least one token must be computed to get logits, so never hit the whole sequence
@@ -149,12 +182,16 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._drop_blocks(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        """Free what `seq` computed: it is recomputed when it runs again."""
         self.bm.free(seq)
         seq.num_computed_tokens = 0
-        seq.status = SeqStatus.WAITING
         seq.stats.preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and release blocks (callers that retain blocks pin them first)."""
@@ -194,24 +231,15 @@ class Scheduler:
             num_computed_tokens = min(seq.num_computed_tokens,
                                       seq.num_hashed_blocks * self.bm.block_size)
         else:  # landed KV beyond the prefix hit sits in blocks reserved for it
-            assert self._holds_own_blocks(seq), "remote KV landed without reserved blocks"
+            assert holds_own_blocks(seq), "remote KV landed without reserved blocks"
         assert num_computed_tokens <= seq.num_blocks * self.bm.block_size
         seq.num_computed_tokens = num_computed_tokens
         seq.status = SeqStatus.WAITING
-        if self._holds_own_blocks(seq):
+        if holds_own_blocks(seq):
             # it holds blocks beyond shared prefix hits: run it first, so that they are freed
             self.waiting.appendleft(seq)
         else:
-            self._enqueue_by_arrival(seq)
-
-    def _enqueue_by_arrival(self, seq: Sequence) -> None:
-        """Back into the queue at its arrival position, so that requests resumed after a pull
-        neither jump nor fall behind the others."""
-        for i, other in enumerate(self.waiting):
-            if other.arrival_time > seq.arrival_time:
-                self.waiting.insert(i, seq)
-                return
-        self.waiting.append(seq)
+            insert_by_arrival(self.waiting, seq)
 
     def refs_held(self) -> dict[int, int]:
         """Block -> number of references held by live sequences (for integrity checks)."""
