@@ -225,3 +225,26 @@ def test_waiting_requests_holding_all_blocks_give_them_up_rather_than_lock():
     sched.finish(older, "stop")
     assert [x.seq for x in sched.schedule()] == [newer]  # recomputed from its prompt
     assert sum(bm.blocks[b].ref_count for b in range(8)) == len(newer.block_table)
+
+
+def test_a_declined_pull_does_not_queue_holding_its_prefix_hits():
+    """A D leg parks with its local prefix hit while it asks to pull, the pull is declined (no
+    room) and it queues again behind an older request that needs more blocks than are free. It
+    used to keep its prefix hits while skipped behind that head: forty such legs held 852 of a
+    soak D's 1,024 blocks, the head never got its blocks and nothing ran again."""
+    bm = BlockManager(8, BS, True, b"s")
+    sched = Scheduler(bm, max_num_batched_tokens=1024, max_num_seqs=8)
+    warm = make_seq(9, range(4 * BS + 1))  # leaves its 4 full blocks in the prefix cache
+    sched.add(warm)
+    assert [x.seq for x in sched.schedule()] == [warm]
+    warm.num_computed_tokens = warm.num_tokens
+    bm.cache_blocks(warm)
+    sched.finish(warm, "stop")
+    head = make_seq(0, range(1000, 1000 + 6 * BS))  # older, needs 6 blocks
+    leg = make_seq(1, range(4 * BS + 8))  # newer, its first 4 blocks hit the cache
+    sched.add(head)
+    sched.park_for_remote_kv(leg)
+    assert len(leg.block_table) == 4  # the hit, held while parked
+    sched.resume(leg)  # the pull was declined
+    assert leg.block_table == [] and list(sched.waiting) == [head, leg]
+    assert [x.seq for x in sched.schedule()] == [head]

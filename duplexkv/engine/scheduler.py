@@ -144,9 +144,9 @@ class Scheduler:
             budget -= n
 
     def _unlock(self) -> bool:
-        """Free the blocks of the newest waiting sequence that holds its own (landed remote KV),
+        """Free the blocks of the newest waiting sequence that holds any (landed remote KV),
         behind a head that cannot get blocks; False when there is none."""
-        holders = [q for q in self.waiting if holds_own_blocks(q)]
+        holders = [q for q in self.waiting if q.block_table]
         if self.blocked_head is None or not holders:
             return False
         victim = max(holders, key=lambda q: q.arrival_time)
@@ -224,8 +224,9 @@ class Scheduler:
     def resume(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
         """Back to the queue: with `num_computed_tokens` computed (remote KV landed in its
         blocks) at the front, since its blocks are taken and only running it frees them; or, by
-        default, with only its local prefix hit, at its arrival position (neither jumping nor
-        falling behind the others: a declined pull once waited behind every newer request)."""
+        default, at its arrival position (neither jumping nor falling behind the others: a
+        declined pull once waited behind every newer request), giving its prefix hit back until
+        it is admitted (it hits the cache again then)."""
         del self.parked[seq.request_id]
         if num_computed_tokens is None:
             num_computed_tokens = min(seq.num_computed_tokens,
@@ -238,7 +239,9 @@ class Scheduler:
         if holds_own_blocks(seq):
             # it holds blocks beyond shared prefix hits: run it first, so that they are freed
             self.waiting.appendleft(seq)
-        else:
+        else:  # no prefix hits held while queued (behind a blocked head they locked the pool)
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
             insert_by_arrival(self.waiting, seq)
 
     def refs_held(self) -> dict[int, int]:
