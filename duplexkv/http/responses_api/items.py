@@ -35,7 +35,7 @@ def input_messages(v: Any) -> list[dict]:
             raise bad_request(f"`{where}` must be an object", where)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            msg = {"role": _role(item, where), "content": _text(item.get("content"), where)}
+            msg = {"role": _role(item, where), "content": _joined(item.get("content"), f"{where}.content")}
             if msg["role"] == "assistant" and reasoning:
                 msg["reasoning"], reasoning = "\n".join(reasoning), []
             out.append(msg)
@@ -52,7 +52,7 @@ def input_messages(v: Any) -> list[dict]:
             last.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": _str(item, "call_id", where),
-                        "content": _output(item.get("output"), where)})
+                        "content": _joined(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
             texts = _part_texts(item.get("content"), f"{where}.content") \
                 or _part_texts(item.get("summary"), f"{where}.summary") or []
@@ -79,13 +79,13 @@ def _str(item: dict, key: str, where: str, empty: bool = False) -> str:
     return v
 
 
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    texts = _part_texts(content, f"{where}.content")
+def _joined(value: Any, at: str) -> str:
+    """A string, or a list of text parts joined by newlines (`at`: the field, for the 400)."""
+    if isinstance(value, str):
+        return value
+    texts = _part_texts(value, at)
     if texts is None:
-        raise bad_request(f"`{where}.content` must be a string or a list of text parts",
-                          f"{where}.content")
+        raise bad_request(f"`{at}` must be a string or a list of text parts", at)
     return "\n".join(texts)
 
 
@@ -104,13 +104,3 @@ def _part_texts(parts: Any, where: str) -> list[str] | None:
                               f"{where}[{j}]")
         texts.append(part["text"])
     return texts
-
-
-def _output(v: Any, where: str) -> str:
-    if isinstance(v, str):
-        return v
-    texts = _part_texts(v, f"{where}.output")
-    if texts is None:
-        raise bad_request(f"`{where}.output` must be a string or a list of text parts",
-                          f"{where}.output")
-    return "\n".join(texts)
