@@ -184,7 +184,8 @@ class Workers:
 
     def __init__(self, **script) -> None:
         self.script, self.calls = script, []
-        self.client = self  # liveness probes (GET /health): every scripted worker is alive
+        # liveness probes (GET /health, through either client): every scripted worker is alive
+        self.client = self.probe_client = self
 
     async def get(self, url: str, timeout: float | None = None) -> httpx.Response:
         return httpx.Response(200, json={"status": "ok"})

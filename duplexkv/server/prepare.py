@@ -37,12 +37,12 @@ def prepare(engine: LLMEngine, served_model_names: tuple[str, ...], body: dict,
         raise model_not_found(req.model)
     ids = _tokenize(engine, req)
     # default max_tokens, as vLLM: completions 16, chat the rest of the context (bounded by the
-    # KV pool) or the generation config's max_new_tokens when smaller
+    # KV pool); the generation config's max_new_tokens when smaller (vLLM takes the least)
     cap = engine.capacity()
     limit = min(cap.max_model_len, cap.kv_tokens)
     defaults = engine.sampling_defaults
-    default = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else \
-        defaults.get("max_tokens", limit)
+    default = min(COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else limit,
+                  defaults.get("max_tokens", limit))
     max_tokens = req.max_tokens if req.max_tokens is not None else \
         max(1, min(limit - len(ids), default))
     kwargs = req.sampling_kwargs(max_tokens)
