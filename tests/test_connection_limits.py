@@ -50,7 +50,7 @@ async def app(scope, receive, send):
 @pytest.fixture(scope="module")
 def server():
     limits = ConnectionLimits(max_connections=6, max_pending=3, request_timeout_s=DEADLINE_S)
-    srv = bounded_server(app, "127.0.0.1", 0, limits, lifespan="off")
+    srv = bounded_server(app, "127.0.0.1", 0, limits, collapse_logs=False, lifespan="off")
     srv.capture_signals = contextlib.nullcontext  # signals belong to the main thread
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

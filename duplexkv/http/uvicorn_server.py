@@ -28,9 +28,12 @@ class CleanExitServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def bounded_server(app, host: str, port: int, limits, **config) -> CleanExitServer:
+def bounded_server(app, host: str, port: int, limits, collapse_logs: bool = True,
+                   **config) -> CleanExitServer:
     """A CleanExitServer whose connections are bounded by `limits`
-    (duplexkv.http.connections.ConnectionLimits), with repeated log lines collapsed."""
+    (duplexkv.http.connections.ConnectionLimits), with repeated log lines collapsed: a filter
+    on the process's log handlers, so `collapse_logs=False` for a server inside another program
+    (a test's, whose log capture it would otherwise filter for the rest of the session)."""
     from duplexkv.http.connections import bounded_protocol
     from duplexkv.http.log_repeats import collapse_repeats
 
@@ -39,7 +42,8 @@ def bounded_server(app, host: str, port: int, limits, **config) -> CleanExitServ
                                             log_level="warning", access_log=False,
                                             timeout_graceful_shutdown=5, **config))
     server.connection_gate = gate
-    collapse_repeats()  # after uvicorn.Config: it installs uvicorn's handlers
+    if collapse_logs:
+        collapse_repeats()  # after uvicorn.Config: it installs uvicorn's handlers
     log.info("connections: at most %d open, %d without a complete request; %g s to send a "
              "request", limits.max_connections, limits.max_pending, limits.request_timeout_s)
     return server
