@@ -17,6 +17,7 @@ import pytest
 from duplexkv.http.connections import ConnectionLimits, raise_open_files
 from duplexkv.http.log_repeats import RepeatFilter
 from duplexkv.http.uvicorn_server import bounded_server
+from workers import raw_exchange
 
 DEADLINE_S = 0.6
 SLOW_S = 1.5  # the app's own time: longer than the deadline, never cut
@@ -66,14 +67,7 @@ def server():
 
 def request(port: int, raw: bytes, timeout_s: float = 10) -> tuple[bytes, float]:
     t = time.monotonic()
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
-        s.sendall(raw)
-        got = b""
-        try:
-            while chunk := s.recv(65536):
-                got += chunk
-        except TimeoutError:
-            pass
+    got = raw_exchange("127.0.0.1", port, raw, timeout_s)
     return got, time.monotonic() - t
 
 

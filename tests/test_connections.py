@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from test_router import ARGS, MODEL, bidi
-from workers import Worker, start_worker
+from workers import Worker, raw_exchange, start_worker
 
 from duplexkv.http.connections import DEFAULT_REQUEST_TIMEOUT_S
 from duplexkv.launch import spawn, wait_ready, worker_args
@@ -172,19 +172,6 @@ def test_router_survives_idle_and_slow_flood(cluster):
     print("router", got)
 
 
-def raw_exchange(url: str, data: bytes, timeout_s: float) -> bytes:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
-        s.sendall(data)
-        got = b""
-        try:
-            while chunk := s.recv(65536):
-                got += chunk
-        except TimeoutError:
-            pass
-        return got
-
-
 CHUNKED = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
            b"transfer-encoding: chunked\r\n\r\n")
 
@@ -206,7 +193,8 @@ def test_unfinished_requests_get_an_answer(cluster):
 
     def one(url: str, payload: bytes) -> tuple[bytes, float]:
         t = time.monotonic()
-        return raw_exchange(url, payload, bound), time.monotonic() - t
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        return raw_exchange(host, int(port), payload, bound), time.monotonic() - t
 
     cases = [(who, url, what) for who, url in (("worker", d.url), ("router", router.url))
              for what in PAYLOADS]

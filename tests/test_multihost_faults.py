@@ -123,6 +123,71 @@ def fault_turn(r, oracle, what: str, fault, heal, extra_s: float = EXTRA_S) -> d
     return stats
 
 
+def _cut_mid_read(net, p, r):
+    """A conversation's second turn with its D's link at 1 Mbit/s, the P-D link cut once P's
+    READ is seen in flight: (hosts cut, messages, text, kv_stats, turn seconds, seconds after
+    the cut)."""
+    conv = f"m-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "tool output 0: " + "ok; " * 200}]
+    before = decode_picks(r)
+    text, _, _ = chat(r.url, messages, conv)
+    d = ["d0", "d1"][[a - b for a, b in zip(decode_picks(r), before)].index(1)]
+    messages += [{"role": "assistant", "content": text}, user(1)]
+    net.shape(d, "1mbit")
+    cut: list[str] = []
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            turn = pool.submit(chat, r.url, messages, conv)
+            deadline = time.monotonic() + 10
+            while not cut and time.monotonic() < deadline and not turn.done():
+                for h, w in zip(("p0", "p1"), p):
+                    kv = httpx.get(w.url + "/health", timeout=5).json()["kv_transfer"]
+                    if kv["pulls_in_flight"]:
+                        time.sleep(0.3)  # inside the READ
+                        net.partition(h, d)
+                        t_cut = time.perf_counter()
+                        cut.append(h)
+                        break
+                time.sleep(0.02)
+            text, stats, took = turn.result()
+            after_cut = time.perf_counter() - t_cut if cut else 0.0
+    finally:
+        for h in cut:
+            net.heal(h, d)
+        net.shape(d, None)
+    return cut, messages, text, stats, took, after_cut
+
+
+def test_p_d_link_cut_mid_read(hosts, oracle):
+    """P pulls the conversation's history from its D and the P-D link is cut while the READ
+    runs (D's link at 1 Mbit/s so that the READ lasts ~2 s): P's READ moves no byte for
+    read_stall_s (1 s), fails, P recomputes, and its decline (`stalled`) sends the D leg to the
+    other D. Before: P waited read_timeout_s (10 s), then D's pull of the new turn over the cut
+    link cost its side channel's 1 s too. The module's first test: P's cost model decides each
+    pull, and after the other faults' turns (slow or failed reads to these D's) it rightly
+    recomputes this history instead of reading it — there would be no READ to cut."""
+    net, p, ds, routers = hosts
+    r = routers["prefill"]
+    base = healthy(r, oracle)
+    # P's cost model decides each pull: at this history's length (the harness' 1,024-token
+    # context) the tiny model recomputes about as fast as a READ, so P sometimes declines and
+    # there is no READ to cut (the turn took 0.16 s in CI). A new conversation then, at most 4.
+    for _ in range(4):
+        cut, messages, text, stats, took, after_cut = _cut_mid_read(net, p, r)
+        if cut and stats["prefill"]["pull_outcome"] != "cost_model":
+            break
+    else:  # the READ itself is covered without a cost model by tests/test_kv_stall.py
+        pytest.skip("P's cost model recomputed the history in 4 conversations: no READ to cut")
+    print(f"P-D link cut mid-READ: healthy turn {base:.2f} s, fault turn {took:.2f} s, "
+          f"{after_cut:.2f} s of it after the cut")
+    assert cut, "P's READ was never seen in flight"
+    assert text == oracle(messages, OUT).text
+    assert stats["prefill"]["pull_outcome"] == "stalled", stats
+    assert after_cut <= base + EXTRA_S, f"{after_cut:.1f} s after the cut (healthy {base:.2f} s)"
+    wait_all_up(r)
+
+
 @pytest.mark.parametrize("placement", ["auto", "prefill"])
 def test_link_of_the_conversations_d_cut_between_turns(hosts, oracle, placement):
     """Finding (a): the next turn took 23.0 s at the defaults (P declined its pull in 1 s, then
@@ -198,55 +263,6 @@ def test_router_d_partition_mid_stream(hosts, oracle):
     net, p, ds, routers = hosts
     r = routers["auto"]
     _mid_stream(r, oracle, lambda d: net.partition("r", d), lambda d: net.heal("r", d))
-    wait_all_up(r)
-
-
-def test_p_d_link_cut_mid_read(hosts, oracle):
-    """P pulls the conversation's history from its D and the P-D link is cut while the READ
-    runs (D's link at 1 Mbit/s so that the READ lasts ~2 s): P's READ moves no byte for
-    read_stall_s (1 s), fails, P recomputes, and its decline (`stalled`) sends the D leg to the
-    other D. Before test_d_link_at_1_mbit: P's pulls over that 1 Mbit/s link teach its cost model
-    the link's speed (for 60 s), after which P rightly recomputes instead of reading — no READ
-    to cut (the likely cause of this test's failures in two runs of four, after it). Before: P waited read_timeout_s (10 s), then D's pull of the new turn over the cut
-    link cost its side channel's 1 s too."""
-    net, p, ds, routers = hosts
-    r = routers["prefill"]
-    base = healthy(r, oracle)
-    conv = f"m-{uuid.uuid4().hex[:8]}"
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": "tool output 0: " + "ok; " * 200}]
-    before = decode_picks(r)
-    text, _, _ = chat(r.url, messages, conv)
-    d = ["d0", "d1"][[a - b for a, b in zip(decode_picks(r), before)].index(1)]
-    messages += [{"role": "assistant", "content": text}, user(1)]
-    net.shape(d, "1mbit")
-    cut: list[str] = []
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            turn = pool.submit(chat, r.url, messages, conv)
-            deadline = time.monotonic() + 10
-            while not cut and time.monotonic() < deadline and not turn.done():
-                for h, w in zip(("p0", "p1"), p):
-                    kv = httpx.get(w.url + "/health", timeout=5).json()["kv_transfer"]
-                    if kv["pulls_in_flight"]:
-                        time.sleep(0.3)  # inside the READ
-                        net.partition(h, d)
-                        t_cut = time.perf_counter()
-                        cut.append(h)
-                        break
-                time.sleep(0.02)
-            text, stats, took = turn.result()
-            after_cut = time.perf_counter() - t_cut if cut else 0.0
-    finally:
-        for h in cut:
-            net.heal(h, d)
-        net.shape(d, None)
-    print(f"P-D link cut mid-READ: healthy turn {base:.2f} s, fault turn {took:.2f} s, "
-          f"{after_cut:.2f} s of it after the cut")
-    assert cut, "P's READ was never seen in flight"
-    assert text == oracle(messages, OUT).text
-    assert stats["prefill"]["pull_outcome"] == "stalled", stats
-    assert after_cut <= base + EXTRA_S, f"{after_cut:.1f} s after the cut (healthy {base:.2f} s)"
     wait_all_up(r)
 
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -53,6 +54,20 @@ def wait_for(cond, timeout_s: float = 30.0, what: str = "condition", interval_s:
             return got
         assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
         time.sleep(interval_s)
+
+
+def raw_exchange(host: str, port: int, data: bytes, timeout_s: float = 10) -> bytes:
+    """Send raw bytes on a new TCP connection; what came back until the peer closed it or went
+    quiet for `timeout_s` (tests of what the HTTP servers do with malformed or slow input)."""
+    with socket.create_connection((host, port), timeout=timeout_s) as s:
+        s.sendall(data)
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except TimeoutError:
+            pass
+        return got
 
 
 def free_port() -> int:
