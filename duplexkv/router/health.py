@@ -70,6 +70,13 @@ class HealthChecker:
         except httpx.ConnectError as e:
             ok, reason = False, f"connection failed ({type(e).__name__})"
             b.failed_checks = self.pool.unhealthy_after  # nothing listens there: down at once
+        except httpx.TimeoutException as e:
+            ok, reason = False, f"/health failed ({type(e).__name__})"
+            if b.healthy and not self.pool.has_alternative(b):
+                # slow, not gone: the only healthy worker of its role is kept (nowhere else to
+                # send its legs; a slow answer beats a 503), as the liveness probes do
+                b.last_check = time.monotonic()
+                return
         except httpx.HTTPError as e:
             ok, reason = False, f"/health failed ({type(e).__name__})"
         b.last_check = time.monotonic()
