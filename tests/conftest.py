@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+import process_leaks
 from duplexkv import LLM, SamplingParams
 from duplexkv.model.synth import make_model
 
@@ -31,3 +32,27 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         return ("vllm_interop deselected (installs vLLM in its own venv, ~3.5 GB, minutes): "
                 "pytest -m vllm_interop runs it")
     return None
+
+
+# processes a module leaves running (tests/process_leaks.py) --------------------------------
+_RUN_MARK = process_leaks.mark_this_run()
+_LEAKS: list[process_leaks.Leak] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield  # the module's fixtures are torn down by now when the next test is elsewhere
+    if nextitem is None or nextitem.module is not item.module:
+        _LEAKS.extend(process_leaks.reap(_RUN_MARK, item.module.__name__))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if _LEAKS:
+        terminalreporter.section("processes left running (killed)")
+        for leak in _LEAKS:
+            terminalreporter.line(f"{leak.module}: pid {leak.pid}: {leak.cmd}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _LEAKS and exitstatus == 0:
+        session.exitstatus = 1  # a leaked process slows every later test: a bug to fix
