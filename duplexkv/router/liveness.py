@@ -175,7 +175,12 @@ class Liveness:
         """The next item of a stream from `b`, the stream watched once it has been quiet for
         `watch_after_s` (one task per item otherwise); StopAsyncIteration at its end."""
         task = asyncio.ensure_future(anext(it))
-        done, _ = await asyncio.wait((task,), timeout=self.cfg.watch_after_s)
+        try:
+            done, _ = await asyncio.wait((task,), timeout=self.cfg.watch_after_s)
+        except BaseException:  # the caller cancelled (a client gone, a leg given up on)
+            task.cancel()  # no orphan reading on, its end never retrieved
+            await asyncio.gather(task, return_exceptions=True)
+            raise
         item = task.result() if done else await self.guard(b, task, first_after=0.0)
         b.progressed()
         return item
