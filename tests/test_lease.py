@@ -265,3 +265,35 @@ def test_renewal_is_capped_and_expiry_reasons():
     assert [e.request_id for e in t.pop_expired()] == ["x"]
     assert t.released["capped"] == 1 and t.released["expired"] == 1
     assert t.renew(["x"]) == ({}, ["x"])
+
+
+def test_a_decode_without_the_retention_api_is_not_asked_every_period():
+    """vLLM's D has no `/v1/kv/retention` (404): the router asked it every period anyway (the
+    interop test's vLLM D logged a 404 every 10 s); now it asks again only after
+    NO_API_RECHECK_S."""
+    import asyncio
+
+    import httpx
+    from prometheus_client import CollectorRegistry
+
+    from duplexkv.router.conversation.lifecycle import (NO_API_RECHECK_S, LeaseKeeper,
+                                                        LifecycleMetrics)
+
+    calls = []
+
+    def vllm_decode(request: httpx.Request) -> httpx.Response:  # stands for vLLM's server
+        calls.append(request.url.path)
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(vllm_decode)) as client:
+            keeper = LeaseKeeper(client, {}, 10, 600, LifecycleMetrics(CollectorRegistry()))
+            keeper.decode_urls = lambda: ["http://vllm-d:1"]
+            for _ in range(5):
+                await keeper.sync_all()
+            assert calls == ["/v1/kv/retention"]
+            keeper.no_api["http://vllm-d:1"] -= NO_API_RECHECK_S  # the recheck time came
+            await keeper.sync_all()
+            assert len(calls) == 2
+
+    asyncio.run(run())

@@ -40,6 +40,7 @@ from duplexkv.router.conversation.store import Entry
 log = logging.getLogger("duplexkv.router")
 DROPPED_PER_D = 65536  # release notices remembered per D (oldest first out)
 SYNC_TIMEOUT_S = 5.0
+NO_API_RECHECK_S = 300.0  # a D without the retention API (404: vLLM's) is asked again after this
 PRUNE_AFTER_S = 60.0  # a released entry's age (since stored) before it leaves the store
 
 
@@ -86,6 +87,7 @@ class LeaseKeeper:
         self.active: dict[str, Active] = {}  # conversation key ->
         self.dropped: dict[str, OrderedDict[str, None]] = {}  # D url -> released ids
         self.since: dict[str, int] = {}  # D url -> last release generation seen
+        self.no_api: dict[str, float] = {}  # D url -> monotonic time to ask it again
         self.decode_urls: Callable[[], list[str]] = list
         # the store's prune (Conversations sets it): released entries leave an in-memory store
         self.prune: Callable[[Callable[[Entry], bool]], int] | None = None
@@ -181,7 +183,8 @@ class LeaseKeeper:
             else:
                 by_d.setdefault(a.decode_url, []).append(a.rid)
         await asyncio.gather(*(self._sync(url, renew=ids[:rs.MAX_IDS])
-                               for url, ids in by_d.items()))
+                               for url, ids in by_d.items()
+                               if self.no_api.get(url, 0.0) <= now))
 
     async def _sync(self, url: str, renew: list[str] = (), delete: list[str] = ()
                     ) -> rs.SyncReply | None:
@@ -189,8 +192,9 @@ class LeaseKeeper:
         try:
             r = await self.client.post(url + "/v1/kv/retention", content=rs.encode(req),
                                        headers=self.headers, timeout=SYNC_TIMEOUT_S)
-            if r.status_code == 404:
-                return None  # a worker without KV transfer (or an older one)
+            if r.status_code == 404:  # a worker without KV transfer, or vLLM's: no call
+                self.no_api[url] = time.monotonic() + NO_API_RECHECK_S  # every period
+                return None
             r.raise_for_status()
             reply = rs.decode_reply(r.content)
         except (httpx.HTTPError, msgspec.ValidationError, msgspec.DecodeError) as e:
