@@ -102,3 +102,33 @@ def test_health_answers_while_a_long_step_runs(tmp_path):
     assert busy, "no step ran longer than 0.5 s: nothing was shown"
     assert "waiting" in busy[-1] and busy[-1]["snapshot_age_s"] is not None
     assert max(took) < PROBE_TIMEOUT_S, f"/health took {max(took):.2f} s"
+
+
+def test_a_cancelled_stream_read_leaves_no_task_reading_on():
+    """A leg given up on while it waits for its stream's next event (the client gone, the worker
+    marked down) cancels the read too: before, the read ran on alone and its end was logged as
+    'Task exception was never retrieved ... StopAsyncIteration' (CI's vLLM interop run)."""
+    import asyncio
+
+    async def run() -> None:
+        finished = asyncio.Event()
+        cancelled = []
+
+        async def events():
+            try:
+                await finished.wait()  # a worker with nothing to say yet
+                yield "late"
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+        live = Liveness(httpx.AsyncClient())
+        b = Backend("http://127.0.0.1:9", "decode", "decode[0]")
+        reader = asyncio.ensure_future(live.next(b, events()))
+        await asyncio.sleep(0.05)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert cancelled == [True] and not others, others
+
+    asyncio.run(run())
