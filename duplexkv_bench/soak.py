@@ -38,6 +38,7 @@ from pathlib import Path
 import httpx
 
 from duplexkv import launch
+from duplexkv.engine.memory import OVERDUE, TRIM_INTERVAL_S
 from duplexkv.engine.dtype import DTYPE_CHOICES, native_bf16_flag, read_cpu_flags
 from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.engine.process_env import WORKER_ENV_DEFAULTS
@@ -45,6 +46,7 @@ from duplexkv.launch import Cluster, ClusterSpec
 from duplexkv.model.registry import resolve_model
 from duplexkv.model.tokenizer import Tokenizer
 from duplexkv_bench.client import RequestFailed, Result, Target, chat_turn
+from duplexkv_bench.targets import client_key
 from duplexkv_bench.workload import Sizes, TextSource, materialise, plan
 
 # what a worker sets itself when its environment lacks it (kept: --as-serve empties the
@@ -112,7 +114,7 @@ class Load:
         return self._queue.pop(0)
 
     async def run(self, deadline: float) -> None:
-        target = Target("on", self.url, self.model, True, "soak")
+        target = Target("on", self.url, self.model, True, "soak", client_key())
         limits = httpx.Limits(max_connections=self.clients + 4)
         async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits,
                                      trust_env=False) as client:
@@ -180,18 +182,46 @@ async def sample_loop(procs: list[launch.Proc], t0: float, deadline: float, ever
         await asyncio.sleep(min(every_s, max(0.0, deadline - time.monotonic())))
 
 
-def summarize(procs: list[launch.Proc], samples: list[dict], duration: float) -> list[dict]:
+def envelope(points: list[tuple[float, float]], window_s: float, pick=min
+              ) -> list[tuple[float, float]]:
+    """One point per `window_s` of `points`: the sample `pick` chooses (by MB). A busy worker
+    returns its free heap every OVERDUE trim intervals (engine/memory.py), so its RSS is a
+    sawtooth of that period (~90 MB on D, 40 conversations); a least-squares slope through it
+    swings by several MB/min with the phase the run happens to end in, while the minimum of each
+    period (RSS after a trim: what the process really holds) follows growth alone."""
+    if not points:
+        return []
+    t0 = points[0][0]
+    windows: dict[int, list[tuple[float, float]]] = {}
+    for t, v in points:
+        windows.setdefault(int((t - t0) // window_s), []).append((t, v))
+    full = [w for w in windows.values() if w[-1][0] - w[0][0] >= window_s * 0.75]
+    return [pick(w, key=lambda tv: tv[1]) for w in full]
+
+
+def summarize(procs: list[launch.Proc], samples: list[dict], duration: float,
+              warmup_s: float = 0.0) -> list[dict]:
+    """Per process: RSS start/end/max, and slopes over the measured part (after `warmup_s`):
+    least squares through every sample, and through the per-trim-period minima and maxima."""
     rows = []
     half = duration / 2
+    period = OVERDUE * TRIM_INTERVAL_S
     for p in procs:
         pts = [(s["t"], s[p.name]) for s in samples if s[p.name] is not None]
         if not pts:
             continue
         second = [(t, v) for t, v in pts if t >= half]
+        measured = [(t, v) for t, v in pts if t >= warmup_s]
         rows.append({"process": p.name, "start_mb": round(pts[0][1], 1),
                      "end_mb": round(pts[-1][1], 1), "max_mb": round(max(v for _, v in pts), 1),
                      "slope_second_half_mb_per_min": round(slope_mb_per_min(second), 2),
-                     "slope_all_mb_per_min": round(slope_mb_per_min(pts), 2)})
+                     "slope_all_mb_per_min": round(slope_mb_per_min(pts), 2),
+                     "measured_from_s": warmup_s,
+                     "slope_measured_mb_per_min": round(slope_mb_per_min(measured), 2),
+                     "slope_floor_mb_per_min": round(slope_mb_per_min(
+                         envelope(measured, period, min)), 2),
+                     "slope_peak_mb_per_min": round(slope_mb_per_min(
+                         envelope(measured, period, max)), 2)})
     return rows
 
 
@@ -209,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                     "index, ~0.7 KB of Python objects per cached block, fills for an hour)")
     ap.add_argument("--max-context", type=int, default=3072)
     ap.add_argument("--interval", type=float, default=10, help="seconds between RSS samples")
+    ap.add_argument("--warmup", type=float, default=120, metavar="S",
+                    help="seconds before the measured part (pools and caches filling; "
+                         "default 120)")
     ap.add_argument("--debug-memory", type=float, default=0, metavar="S",
                     help="query GET /debug/memory every S seconds (0: off)")
     ap.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES")
@@ -244,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     prefill_args = ("--num-kv-blocks", str(args.prefill_kv_blocks))
     spec = ClusterSpec(model=args.model, connector="TcpConnector", bidirectional=True,
                        worker_args=("--dtype", args.dtype),
-                       prefill_args=prefill_args, decode_args=decode_args)
+                       prefill_args=prefill_args, decode_args=decode_args,
+                       api_keys=(client_key(),))
     env_note = {k: os.environ.get(k, launch.WORKER_ENV_DEFAULTS.get(
         k, f"{WORKER_SETS[k]} (set by the worker)" if k in WORKER_SETS else None)) for k in (
         "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "OMP_WAIT_POLICY",
@@ -291,18 +325,21 @@ def main(argv: list[str] | None = None) -> int:
         cluster.stop()
 
     c = load.counts
-    rows = summarize(procs, samples, args.duration)
+    rows = summarize(procs, samples, args.duration, args.warmup)
     print(f"\n{c.requests} requests in {c.conversations} conversations, {c.failed} failed "
           f"(in-flight turns finished {drained:.0f} s after the deadline); reuse outcomes "
           f"{dict(sorted(c.outcomes.items()))}; integrity {integrity}")
     for e in c.errors[:5]:
         print("  error:", e)
-    print("\n| process | RSS start MB | RSS end MB | RSS max MB | slope, 2nd half MB/min |"
-          " slope, whole run MB/min |\n|---|---|---|---|---|---|")
+    print(f"\nslopes from {args.warmup:.0f} s on (MB/min): least squares through every sample, "
+          f"and through the lowest / highest sample of each {OVERDUE * TRIM_INTERVAL_S:.0f} s "
+          f"(a busy worker's heap-trim period)")
+    print("\n| process | RSS start MB | RSS end MB | RSS max MB | slope, all samples |"
+          " slope, floor (after trims) | slope, peaks |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {names.get(r['process'], r['process'])} | {r['start_mb']:,.1f} | "
-              f"{r['end_mb']:,.1f} | {r['max_mb']:,.1f} | {r['slope_second_half_mb_per_min']:+.2f} |"
-              f" {r['slope_all_mb_per_min']:+.2f} |")
+              f"{r['end_mb']:,.1f} | {r['max_mb']:,.1f} | {r['slope_measured_mb_per_min']:+.2f} |"
+              f" {r['slope_floor_mb_per_min']:+.2f} | {r['slope_peak_mb_per_min']:+.2f} |")
     print(f"\nmodel {args.model}, {describe_dtype(args.dtype)}, {os.cpu_count()} CPUs, "
           f"{platform.machine()}")
     if args.json:
