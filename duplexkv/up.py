@@ -2,10 +2,13 @@
 
 Workers take free ports; the router takes --port (default 8000, or a free port when 8000 is
 taken). Every process logs to its own file. A process that fails to start (or dies later) stops
-the whole cluster and its log's last lines are printed. With --api-key (or $DUPLEXKV_API_KEY) the
-router requires a key. The workers always require one of their own that only the router holds
-(--worker-api-key, or a random one) and share a KV cluster secret ($DUPLEXKV_KV_SECRET, or a
-random one): on a shared host no other local user reaches a worker or the KV plane.
+the whole cluster and its log's last lines are printed. The router requires a client key:
+--api-key (or $DUPLEXKV_API_KEY), else the one `up` keeps in a file only you can read
+(launch/client_key.py: `export DUPLEXKV_API_KEY=$(cat ~/.cache/duplexkv/api-key)`);
+--no-api-key opens it to every local user. The workers always require one of their own that only
+the router holds (--worker-api-key, or a random one) and share a KV cluster secret
+($DUPLEXKV_KV_SECRET, or a random one): on a shared host no other local user reaches the
+router, a worker or the KV plane.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from duplexkv.engine.dtype import describe as describe_dtype
 from duplexkv.http.auth import API_KEY_ENV, WORKER_API_KEY_ENV, keys_from
 from duplexkv.kv.config import CONNECTORS
 from duplexkv.launch import Cluster, ClusterSpec, LaunchError
+from duplexkv.launch.client_key import KeyFileError, key_file, own_client_key
 from duplexkv.router.placement import DEFAULT_MODE, MODES
 from duplexkv.router.serve import worker_key
 
@@ -71,7 +75,11 @@ def add_up(sub: argparse._SubParsersAction) -> None:
                    help="plain P->D disaggregation: no D->P reuse of a conversation's history")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help=f"the router's client key, repeatable (default: ${API_KEY_ENV}, "
-                        "comma-separated; else none)")
+                        "comma-separated; else the key `up` keeps in "
+                        "~/.cache/duplexkv/api-key, made on first use, mode 0600)")
+    p.add_argument("--no-api-key", action="store_true",
+                   help="require no client key: any local user (any host, with --host "
+                        "0.0.0.0) can use the router")
     p.add_argument("--worker-api-key", default=None, metavar="KEY",
                    help=f"the workers' key, sent by the router (default: ${WORKER_API_KEY_ENV}; "
                         "else a random one)")
@@ -163,6 +171,21 @@ def run_up(args: argparse.Namespace) -> int:
     if port is None:
         port = DEFAULT_PORT if port_free(args.host, DEFAULT_PORT) else 0
     keys = keys_from(args.api_key)
+    key_note = ""
+    if args.no_api_key:
+        if keys:
+            print("duplexkv: error: --no-api-key with --api-key (or $DUPLEXKV_API_KEY): "
+                  "choose one", file=sys.stderr)
+            return 2
+        key_note = "no API key: every local user can use the router (--no-api-key)"
+    elif not keys:
+        try:
+            keys = (own_client_key(),)
+        except KeyFileError as e:
+            print(f"duplexkv: error: {e}", file=sys.stderr)
+            return 2
+        key_note = (f"API key required: the one in {key_file()} (only you can read it): "
+                    f"export {API_KEY_ENV}=$(cat {key_file()})")
     spec = spec_from_args(args, prefill=args.prefill, decode=args.decode, host=args.host,
                           port=port, store=args.store, bidirectional=args.bidirectional,
                           api_keys=keys, worker_api_key=worker_key(args.worker_api_key))
@@ -181,6 +204,8 @@ def run_up(args: argparse.Namespace) -> int:
             for w in cluster.workers:
                 print(f"  {w.name:10s} {w.url}  pid {w.proc.pid}")
             print(f"  {'router':10s} {cluster.url}  pid {cluster.router.proc.pid}")
+            if key_note:
+                print(f"\n{key_note}")
             print(f"\n{examples(cluster.url, model, bool(keys))}\n\nPress Ctrl-C to stop.",
                   flush=True)
             while (dead := cluster.dead()) is None:

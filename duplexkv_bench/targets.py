@@ -7,6 +7,7 @@ command line is recorded in results.json. The client sends it; launched targets 
 from __future__ import annotations
 
 import contextlib
+import secrets
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -33,9 +34,15 @@ def dtype_note(cfg: BenchConfig) -> str:
     return describe_dtype(cfg.dtype)
 
 
-def client_key() -> str | None:
+_OWN_KEY = secrets.token_urlsafe(24)  # a launched router's client key when none is set
+
+
+def client_key() -> str:
+    """$DUPLEXKV_API_KEY's first key, else this process's own random one: a router or worker
+    the benchmark launches always requires a key (issue 32), and a target given by --url
+    without a key ignores the one sent."""
     keys = keys_from(None)
-    return keys[0] if keys else None
+    return keys[0] if keys else _OWN_KEY
 
 
 def auth_headers() -> dict[str, str]:
@@ -73,7 +80,7 @@ def launched_cluster(cfg: BenchConfig, log: Log) -> Iterator[tuple[str, str]]:
                        worker_args=cfg.worker_flags, log_dir=cfg.output_dir / "logs",
                        router_args=("--placement", cfg.placement),
                        kv_extra=threshold_kv(cfg.kv_recompute_threshold),
-                       api_keys=keys_from(None)[:1])
+                       api_keys=(client_key(),))
     with Cluster(spec, on_event=log) as cluster:
         log(f"cluster up: router {cluster.url} (1 P without prefix caching, 1 D, placement "
             f"{cfg.placement})")

@@ -20,7 +20,9 @@ import pytest
 from duplexkv_bench.client import Result
 from duplexkv_bench.report import bucket_of, summarize
 from duplexkv.cli import main
+from duplexkv.http.auth import API_KEY_ENV
 from duplexkv.launch import Cluster, ClusterSpec, LaunchError
+from duplexkv.launch.client_key import KeyFileError, key_file, own_client_key
 
 DUPLEXKV = str(Path(sys.executable).parent / "duplexkv")
 # the tiny model recomputes these short histories faster than a loopback round trip, so its
@@ -84,7 +86,7 @@ def worker_environ(pid: int) -> dict[str, str]:
 def test_up_serves_then_stops_cleanly(tiny_model_dir: Path, tmp_path: Path, stop, omp) -> None:
     """`up` serves, its workers run with OMP_WAIT_POLICY=PASSIVE unless the environment sets it,
     and Ctrl-C (SIGINT to the terminal's process group) or SIGTERM stops everything."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", API_KEY_ENV)}
     if omp is not None:
         env["OMP_WAIT_POLICY"] = omp
     # its own process group, as in a terminal: Ctrl-C signals the group
@@ -111,13 +113,18 @@ def test_up_serves_then_stops_cleanly(tiny_model_dir: Path, tmp_path: Path, stop
 
         body = {"model": str(tiny_model_dir), "max_tokens": 4, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "print('hello world') " * 40}]}
-        r1 = httpx.post(router + "/v1/chat/completions", json=body, timeout=60,
-                        headers={"X-Session-ID": "t"})
+        # no key given: the router requires the one `up` keeps in a file only its owner reads
+        key_path = Path(re.search(r"API key required: the one in (\S+) ", out).group(1))
+        assert key_path == key_file() and key_path.stat().st_mode & 0o777 == 0o600
+        assert key_path.read_text().strip() not in out  # the key itself is never printed
+        r0 = httpx.post(router + "/v1/chat/completions", json=body, timeout=60)
+        assert r0.status_code == 401, r0.text
+        auth = {"authorization": f"Bearer {key_path.read_text().strip()}", "X-Session-ID": "t"}
+        r1 = httpx.post(router + "/v1/chat/completions", json=body, timeout=60, headers=auth)
         assert r1.status_code == 200, r1.text
         body["messages"] += [r1.json()["choices"][0]["message"],
                              {"role": "user", "content": "and again " * 10}]
-        r2 = httpx.post(router + "/v1/chat/completions", json=body, timeout=60,
-                        headers={"X-Session-ID": "t"})
+        r2 = httpx.post(router + "/v1/chat/completions", json=body, timeout=60, headers=auth)
         stats = r2.json()["kv_stats"]  # `up`'s default placement: turn 2 prefills on its D
         assert stats["conversation"] == "hit", stats
         assert stats["placement"] == "decode_local" and stats["prefill"] is None, stats
@@ -301,3 +308,29 @@ def test_cluster_with_api_keys_passes_them_by_environment(tiny_model_dir: Path,
             assert key not in Path(f"/proc/{p.proc.pid}/cmdline").read_text()
     for log in tmp_path.glob("*.log"):
         assert key not in log.read_text(errors="replace"), log
+
+
+def test_up_key_file_is_private_and_refused_when_others_can_read_it(tmp_path: Path) -> None:
+    """The key `up` makes when none is given: 0600 in a 0700 directory, the same key next time;
+    a file other users can read, a symlink or an empty file is refused with the fix named."""
+    path = tmp_path / "cache" / "api-key"
+    key = own_client_key(path)
+    assert len(key) >= 32 and own_client_key(path) == key
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    path.chmod(0o644)
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        own_client_key(path)
+    link = tmp_path / "cache" / "link"
+    link.symlink_to(path)
+    with pytest.raises(KeyFileError, match="cannot read"):
+        own_client_key(link)
+    path.chmod(0o600)
+    path.write_text("\n")
+    with pytest.raises(KeyFileError, match="no usable key"):
+        own_client_key(path)
+
+
+def test_up_no_api_key_with_a_key_is_a_usage_error() -> None:
+    r = subprocess.run([DUPLEXKV, "up", "--no-api-key", "--api-key", "k1"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "choose one" in r.stderr, r.stderr
