@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -55,6 +56,7 @@ SYSTEM = ("You are a careful coding assistant. Answer with short, correct Python
           "sentence of explanation. Follow PEP 8, prefer the standard library, add type hints, "
           "and say when a question is ambiguous. ") * 8
 READS = "vllm:nixl_xfer_time_seconds_count"
+EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # P's blocks D did not read within P's lease
 BAD = ("vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total",
        "vllm:nixl_num_failed_notifications_total")
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -111,7 +113,10 @@ def conversation(args: argparse.Namespace, name: str, turns: int, stream: bool,
                "stats": stats or {}, "seconds": time.monotonic() - t0,
                "messages": [dict(m) for m in messages]}
         if on_turn:
-            row["reads"] = on_turn()[READS] - before[READS]
+            after = on_turn()
+            row["reads"] = after[READS] - before[READS]
+            row["p_expired"] = after[EXPIRED] - before[EXPIRED]
+        row["load"] = os.getloadavg()[0]  # a starved machine shows here first
         if strip_at is not None and t == strip_at:  # the client drops the answer's start
             text = text[len(text) // 3:]
         messages.append({"role": "assistant", "content": text})
@@ -193,12 +198,13 @@ def check(args: argparse.Namespace) -> int:
             failures.append(f"{r['conversation']} turn {r['turn']}: answer differs from the "
                             "single vLLM server's")
     print(f"{'conversation':<12} {'turn':>4} {'verify':<22} {'offered':>7} {'P reads':>7} "
-          f"{'P done ms':>9} {'total s':>7} equal")
+          f"{'P done ms':>9} {'total s':>7} {'P expired':>9} {'load':>5} equal")
     for r in rows:
         p_done = (r["stats"] or {}).get("prefill_done_ms")
         print(f"{r['conversation']:<12} {r['turn']:>4} {r['verify']:<22} {r['offered']:>7} "
               f"{r.get('reads', '-'):>7} {p_done if p_done is not None else '-':>9} "
-              f"{r['seconds']:>7.1f} {r['equal']}")
+              f"{r['seconds']:>7.1f} {r.get('p_expired', '-'):>9} {r.get('load', 0):>5.1f} "
+              f"{r['equal']}")
     for f in failures:
         print("FAIL:", f)
     print(json.dumps({"ok": not failures, "turns": len(rows), "failures": len(failures)}))

