@@ -80,8 +80,9 @@ def _d_fails_mid_json(cluster, oracle, sig) -> None:
     assert usage["completion_tokens"] == LONG, usage
     assert text == want
     # hung: marked down by the watch's probe; killed: the broken call (a request whose kept
-    # connection broke before any answer byte is sent once more, on a fresh one: refused)
-    kinds = ("went_down",) if sig == signal.SIGSTOP else ("transport", "connect")
+    # connection broke before any answer byte is sent once more, on a fresh one: refused), or
+    # the watch's probe, refused, marking it down first (seen on a loaded machine)
+    kinds = ("went_down",) if sig == signal.SIGSTOP else ("transport", "connect", "went_down")
     assert sum(r.metric("duplexkv_router_upstream_errors_total", kind=k, role="decode")
                for k in kinds) >= 1
     assert took <= 2 * base + EXTRA_S, f"{took:.1f} s (undisturbed {base:.2f} s)"
