@@ -2,10 +2,11 @@
 
     duplexkv bench vllm_multiturn [--proxy PATH/disagg_proxy_multiturn.py] [--model bench]
         [--max-context 8192] [--conversations 2] [--answer-tokens 32 64] [--no-plugin]
-        [--bind cores|none] [--json FILE]
+        [--bind none|cores] [--json FILE]
 
-vLLM P (core 0, no prefix cache) and D (core 1; `--bind none`: vLLM's `nobind`, both on every
-core, for hosts where a pinned NIXL progress thread starves the core's kernel work), NixlConnector with `bidirectional_kv_xfer`,
+vLLM P (no prefix cache) and D, unpinned (vLLM's `nobind`; `--bind cores`: P on core 0, D on core
+1, where on 2 cores the pinned NIXL progress thread shares its engine's core and P's leases expired
+under load: docs/vllm.md), NixlConnector with `bidirectional_kv_xfer`,
 float32 (greedy answers compare exactly), duplexkv's vLLM plugin (`--no-plugin`: stock 0.32,
 whose streams carry no params). After the run they stop and a single vLLM server answers every
 recorded turn as the oracle. The front-ends, in turn on every turn (order rotating per turn):
@@ -79,9 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threshold", type=int, default=64, help="vLLM's kv_recompute_threshold")
     ap.add_argument("--no-plugin", action="store_true", help="stock vLLM: no duplexkv plugin")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--bind", choices=["cores", "none"], default="cores",
-                    help="cores: P's OpenMP threads on core 0, D's on core 1 (vLLM's binding); "
-                    "none: vLLM's `nobind`, the scheduler places every thread")
+    ap.add_argument("--bind", choices=["cores", "none"], default="none",
+                    help="none (default): vLLM's `nobind`, the scheduler places every thread; "
+                    "cores: P's OpenMP threads on core 0, D's on core 1 (vLLM's binding)")
     ap.add_argument("--modes", nargs="+", action=Accumulate, default=["off", "proxy", "on"],
                     choices=["off", "proxy", "on"])
     ap.add_argument("--json", type=Path)

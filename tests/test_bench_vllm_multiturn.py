@@ -43,5 +43,5 @@ def test_p_and_d_get_their_kv_config_and_the_oracle_none():
 
 
 def test_bind_none_leaves_vllms_threads_to_the_scheduler():
-    assert vm.parse_args([]).bind == "cores"
-    assert vm.parse_args(["--bind", "none"]).bind == "none"
+    assert vm.parse_args([]).bind == "none"
+    assert vm.parse_args(["--bind", "cores"]).bind == "cores"
