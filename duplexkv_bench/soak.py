@@ -239,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                     "index, ~0.7 KB of Python objects per cached block, fills for an hour)")
     ap.add_argument("--max-context", type=int, default=3072)
     ap.add_argument("--interval", type=float, default=10, help="seconds between RSS samples")
-    ap.add_argument("--warmup", type=float, default=120, metavar="S",
+    ap.add_argument("--warmup", type=float, default=300, metavar="S",
                     help="seconds before the measured part (pools and caches filling; "
-                         "default 120)")
+                         "default 300: P reached its plateau at ~300 s)")
     ap.add_argument("--debug-memory", type=float, default=0, metavar="S",
                     help="query GET /debug/memory every S seconds (0: off)")
     ap.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES")
