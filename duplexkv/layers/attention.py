@@ -12,21 +12,50 @@ attends with `scaled_dot_product_attention`:
     is_causal, and the two partial results are merged by their log-sum-exp (exactly the
     lower-right causal attention, but both halves run SDPA's fast kernel; a mask is 2-3x slower)
 
+That is float32's way (and any dtype's where this torch lacks the flash kernel with log-sum-exp);
+bf16/fp16 take the chunking-invariant path below instead.
+
 Grouped-query attention: where no mask is needed (the cached prefix, one-token decode) the
 query heads of a KV group are folded into the query-length axis, [1, KVH, G * n, D], so the
 kernel reads each KV head once and the prefix is never expanded to H heads (bf16, 1.85k new
 over 13.7k cached: 121 ms per layer against 139 ms with repeat_interleave). Only the causal
 block over the new tokens expands its (small) K/V.
 
+Chunking-invariant in reduced precision (`_blocked`): reuse must not change an answer, so a query
+row's output may not depend on which of its keys were computed in this step and which in an
+earlier one (prefix cache, decode steps, chunked prefill, KV pulled from a peer), nor on how many
+rows share the step. In float32 the paths above agree closely enough that greedy tokens never
+differed; in bf16 the output is rounded to 8 bits of mantissa after a sum whose order followed the
+split (one causal call over a whole prompt, two merged calls over a cached prefix and a suffix,
+the kernel's own key blocks counted from wherever the call's keys began), and 3 of 20 turns of a
+multi-turn test gave other tokens with reuse than without. So in bf16/fp16 every row is computed
+one way, fixed by its position p alone: with a = p rounded down to a multiple of KEY_BLOCK,
+
+    o_A, lse_A = flash(q_p, K[0 : a])                    unmasked, keys from position 0
+    o_B, lse_B = flash(q_p, K[a : a + KEY_BLOCK])        masked to keys a .. p, zeros past the end
+    o = o_A + (o_B - o_A) * sigmoid(lse_B - lse_A) in float32, rounded once (o_B when a == 0)
+
+The rows of a step that share a key block share both calls (a whole prefill: two calls per
+KEY_BLOCK rows; a decode step: two calls). This holds bit for bit because PyTorch's CPU flash
+kernel computes each query row independently of the other rows of the call (checked for 2 to 2048
+rows and key lengths up to 4096; a lone row takes another path, hence MIN_ROWS); masked keys add
+exact zeros whatever their (finite) values; every row meets the same key lengths (a and
+KEY_BLOCK) whichever way its keys were split; and the merge rounds exactly but for the sigmoid,
+which `_sigmoid_rows` keeps off ATen's scalar tail. The masks are additive (0 / -inf), a whole
+block's kept per dtype and group. tests/test_attention_invariance.py checks rows across
+chunkings (cache hits off the 32 grid, decode steps across a block edge, chunked prefill, gather
+and mirror layouts) and greedy multi-turn conversations with and without reuse, in one engine and
+between P and D workers. Cost (prefill ~1.1x, a decode step ~1.1x): docs/engine.md.
+
 Bounded kernel shapes: in bf16/fp16 on CPUs with AMX the flash kernel runs on oneDNN brgemm
 micro-kernels that PyTorch JIT-compiles for every new (query block, key block) shape and keeps in
 a per-thread map that is never pruned (`cpublas` KernelCache). A server sees a new length almost
 every step, so its RSS grew without end (bench/tiny, bf16: ~0.5 MB per new shape, 1.1 GB in a
 150 s soak). Reduced-precision calls therefore only see lengths that are multiples of
-`SHAPE_STEP`: a fresh prefill pads queries and keys at the end (causal rows never see them), the
-cached prefix is split into an aligned part and a remainder that joins the causal block (dummy
-query rows in front keep it causal), and a decode step attends to the aligned prefix and the
-remainder (fewer than SHAPE_STEP keys) separately, merged by log-sum-exp.
+`SHAPE_STEP`, or shorter than it: `_blocked` pads a block's query rows to a multiple of
+SHAPE_STEP (a decode row: its G folded heads, at least MIN_ROWS), and its keys are multiples of
+KEY_BLOCK (a) or KEY_BLOCK itself. (`_prefix_causal` and `_decode` round the same way with `step`
+> 1, as bf16 ran them before the invariant path; float32 calls them with step 1.)
 """
 
 from __future__ import annotations
@@ -83,11 +112,18 @@ _CTX: AttnContext | None = None
 # SDPA's CPU flash kernel, which also returns the log-sum-exp (None if this torch lacks it)
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 SHAPE_STEP = 32  # lengths the reduced-precision kernel sees are multiples of this (see above)
+KEY_BLOCK = 512  # reduced precision: a query's keys go to the kernel in blocks of this, from 0
+MIN_ROWS = 4  # reduced precision: at least this many query rows per kernel call (see _blocked)
 
 
 def shape_step(dtype: torch.dtype) -> int:
     """1 (no rounding) where the kernel keeps no per-shape code: float32 runs plain GEMMs."""
     return SHAPE_STEP if dtype in (torch.bfloat16, torch.float16) and _FLASH_LSE else 1
+
+
+def invariant(dtype: torch.dtype) -> bool:
+    """Whether attention in `dtype` takes the chunking-invariant path (`_blocked`)."""
+    return shape_step(dtype) > 1
 
 
 def _pad_len(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
@@ -182,6 +218,98 @@ def _decode(qh: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, scale: float,
     return _merge(o1, lse1, o2, lse2).to(qh.dtype)
 
 
+_MASKS: dict[tuple, torch.Tensor] = {}  # additive causal masks of KEY_BLOCK keys (_diagonal_mask)
+
+
+def _diagonal_mask(offset: int, rows: int, r_pad: int, group: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, group * r_pad, KEY_BLOCK] for queries folded as `_fold` lays them out: row i of a
+    head (the query at block offset `offset` + i) sees keys 0 .. offset + i of the block (0), not
+    the rest (-inf); padding rows see the whole block. A whole block's mask is kept."""
+    key = (dtype, KEY_BLOCK, group)
+    full = _MASKS.get(key)
+    if full is None:
+        kb = KEY_BLOCK
+        base = torch.zeros(kb, kb, dtype=dtype).masked_fill_(
+            torch.ones(kb, kb, dtype=torch.bool).triu_(1), float("-inf"))
+        full = _MASKS[key] = base.repeat(group, 1)[None, None]
+    if offset == 0 and rows == r_pad == KEY_BLOCK:
+        return full
+    part = full[0, 0, offset : offset + rows]
+    return F.pad(part, (0, 0, 0, r_pad - rows)).repeat(group, 1)[None, None]
+
+
+def _sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x) elementwise, each element's value independent of x's size. ATen's vectorised
+    loop leaves the last < 2 vectors of a run (and of each thread's share) to a scalar `exp`
+    that rounds differently from the vector one (4 % of the values here): so the run is padded
+    to a multiple of 64 and computed in slices below the parallel grain, all in vectors."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    flat = F.pad(flat, (0, -n % 64))
+    out = torch.empty_like(flat)
+    for i in range(0, flat.numel(), 16384):
+        torch.sigmoid(flat[i : i + 16384], out=out[i : i + 16384])
+    return out[:n].view(x.shape)
+
+
+def _blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+             scale: float) -> torch.Tensor:
+    """Causal attention of q [n, H, D] (the tokens at positions start .. start + n - 1) over k/v
+    [1, KVH, >= start + n, D] -> [n, H, D], each query row computed the same way whatever the
+    split: the row at position p attends to the keys [0, a), a = p // KEY_BLOCK * KEY_BLOCK, in
+    one unmasked kernel call, and to the KEY_BLOCK keys from a (zero-padded past the end) in a
+    second one masked to [a, p]; the two are merged by log-sum-exp in float32 (module
+    docstring). Rows of one key block share both calls; rows are padded to a multiple of
+    SHAPE_STEP (decode: one row, its heads folded, padded to MIN_ROWS)."""
+    n, h, d = q.shape
+    num_kv = k.shape[1]
+    group = h // num_kv
+    kb = KEY_BLOCK
+    out = torch.empty_like(q)  # first the masked part's output, then the merged one
+    first = max(0, min(n, kb - start % kb if start < kb else 0))  # rows in key block 0: no merge
+    o1s = q.new_empty(n - first, h, d)  # the unmasked part's output, rows `first` .. n - 1
+    lse = torch.empty(2, n - first, h)  # log-sum-exp of the unmasked and masked parts
+    lo = start
+    while lo < start + n:
+        a = lo // kb * kb  # the rows [lo, hi) all lie in the key block [a, a + kb)
+        hi = min(start + n, a + kb)
+        rows = hi - lo
+        r_pad = 1 if rows == 1 else -(-rows // SHAPE_STEP) * SHAPE_STEP
+        qb = q[lo - start : hi - start]
+        f_pad = max(MIN_ROWS - group * r_pad, 0)  # the kernel rounds a lone row differently
+        if r_pad == rows and not f_pad:
+            qf = _fold(qb, num_kv)  # [1, KVH, G * r_pad, D]
+        else:  # one copy into a zeroed buffer rather than pad, then fold
+            qf = q.new_zeros(1, num_kv, group * r_pad + f_pad, d)
+            qf[0, :, : group * r_pad].view(num_kv, group, r_pad, d)[:, :, :rows] = \
+                qb.view(rows, num_kv, group, d).permute(1, 2, 0, 3)
+        kd, vd = k[:, :, a : a + kb], v[:, :, a : a + kb]  # the diagonal block
+        if kd.shape[2] < kb:
+            kd, vd = _pad_len(kd, 0, kb - kd.shape[2]), _pad_len(vd, 0, kb - vd.shape[2])
+        if rows == 1:  # decode: every folded row is this query's (or padding); no copy
+            mask = _diagonal_mask(lo - a, 1, 1, 1, q.dtype).expand(1, 1, qf.shape[2], kb)
+        else:
+            mask = _diagonal_mask(lo - a, rows, r_pad, group, q.dtype)
+        o2, lse2 = _FLASH_LSE(qf, kd, vd, attn_mask=mask, scale=scale)[:2]
+        r = slice(lo - start, hi - start)
+        out[r] = o2[0, :, : group * r_pad].reshape(h, r_pad, d)[:, :rows].transpose(0, 1)
+        if a:
+            o1, lse1 = _FLASH_LSE(qf, k[:, :, :a], v[:, :, :a], scale=scale)[:2]
+            m = slice(r.start - first, r.stop - first)
+            o1s[m] = o1[0, :, : group * r_pad].reshape(h, r_pad, d)[:, :rows].transpose(0, 1)
+            lse[0, m] = lse1[0, :, : group * r_pad].reshape(h, r_pad)[:, :rows].t()
+            lse[1, m] = lse2[0, :, : group * r_pad].reshape(h, r_pad)[:, :rows].t()
+        lo = hi
+    if first < n:
+        # softmax over both parts: o1 + (o2 - o1) * w, w = e^lse2 / (e^lse1 + e^lse2); every
+        # op but the sigmoid rounds exactly, the same for a row wherever it sits
+        w = _sigmoid_rows(lse[1] - lse[0])[..., None]  # [rows, H, 1]
+        o1f = o1s.float()
+        out[first:] = out[first:].float().sub_(o1f).mul_(w).add_(o1f)
+    return out
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
                     layer: int, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] for this step's tokens -> output [T, H, D]."""
@@ -192,6 +320,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     step = shape_step(q.dtype)
     out = torch.empty_like(q)
     use_native = native.attention_ok(q, num_kv)
+    inv = invariant(q.dtype)
     decode_rows, decode_k, decode_v = [], [], []  # one-token sequences for the native kernel
     for s in ctx.seqs:
         rows = slice(s.q_start, s.q_start + s.num_new)
@@ -207,6 +336,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
                 sv = _gather(pool, s, layer, 1, num_kv, k.shape[-1])[: s.ctx_len]
             # SDPA's fast CPU kernel needs 4-D [batch, heads, len, dim]; 3-D takes the math path
             sk, sv = sk.transpose(0, 1)[None], sv.transpose(0, 1)[None]  # [1, KVH, S, D]
+        if inv:
+            out[rows] = _blocked(q[rows], sk, sv, s.start, scale)
+            continue
         if s.num_new == 1 and use_native:
             decode_rows.append(s.q_start)
             decode_k.append(sk[0])
