@@ -63,7 +63,7 @@ SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
 def metrics(base_url: str) -> dict[str, float]:
-    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as r:  # a starved server
         text = r.read().decode()
     out = dict.fromkeys((READS, *BAD), 0.0)
     for line in text.splitlines():

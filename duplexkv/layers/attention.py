@@ -1,5 +1,8 @@
 """Attention over the paged KV pool, on the CPU.
 
+Longer than 300 lines: the float32 paths and the chunking-invariant reduced-precision path share
+the pool layout, the folding of query heads and the kernel-shape rules, and read best together.
+
 The pool is one tensor [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]: block b holds
 K and V of `block_size` consecutive positions for every layer. A step's tokens are flattened
 (all sequences back to back); per sequence the layer writes the new K/V into its slots, then
