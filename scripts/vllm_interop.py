@@ -57,7 +57,7 @@ SYSTEM = ("You are a careful coding assistant. Answer with short, correct Python
           "and say when a question is ambiguous. ") * 8
 READS = "vllm:nixl_xfer_time_seconds_count"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # P's blocks D did not read within P's lease
-BAD = ("vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total",
+BAD = ("vllm:nixl_num_failed_transfers_total", EXPIRED,
        "vllm:nixl_num_failed_notifications_total")
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 

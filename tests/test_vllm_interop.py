@@ -36,9 +36,10 @@ def run_once() -> subprocess.CompletedProcess:
 @pytest.mark.timeout(3600)
 def test_router_in_front_of_vllm_prefill_and_decode_equals_a_single_vllm_server():
     """One more run, and only one, when the first failed on vLLM's timing alone (P's lease ran
-    out while a starved D waited ~30 s for its blocks, in CI on 2 cores, pinned or not): the
-    second run must pass every check, expired counters at 0 included. A wrong or unverified
-    answer is never run again."""
+    out while a starved D waited ~30 s for its blocks, in CI on 2 cores, pinned or not; a
+    /metrics that timed out): the second run must pass every check the script makes (P's
+    expired leases: 0 on the first turn, later ones reported). A wrong or unverified answer is
+    never run again."""
     r = run_once()
     out = r.stdout + r.stderr
     print(out)
