@@ -120,6 +120,15 @@ def vllm_command(venv: Path, model_dir: Path, dtype: str, max_model_len: int,
             "--host", "127.0.0.1", "--port", str(port), *extra]
 
 
+# vLLM's engine in its API server's process instead of vLLM's default engine-core and worker
+# processes. A NixlConnector engine steps all the time, and in the default layout the worker's
+# message-queue reader polls (sched_yield) for a second after every step: an idle P and D kept 4
+# threads spinning, on 2 cores a tiny model's turn took 7-59 s and P's leases ran out
+# (docs/vllm.md). In-process the same turns take 0.4-1.2 s, with the same answers.
+IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+IN_PROCESS_ARGS = ("--distributed-executor-backend", "uni")
+
+
 def start_vllm(venv: Path, model_dir: Path, dtype: str, max_model_len: int, cores: str,
                kv_cache_gib: int, log_dir: Path, timeout_s: float = 900,
                extra: tuple[str, ...] = ("--no-enable-prefix-caching",), log_name: str = "vllm",

