@@ -4,14 +4,11 @@
         [--max-context 8192] [--conversations 2] [--answer-tokens 32 64] [--no-plugin]
         [--bind none|cores] [--engine inproc|mp] [--json FILE]
 
-vLLM P (no prefix cache) and D, unpinned (vLLM's `nobind`; `--bind cores`: P on core 0, D on core
-1, where on 2 cores the pinned NIXL progress thread shares its engine's core and P's leases expired
-under load: docs/vllm.md), each with its engine in its server's process (`--engine mp`: vLLM's
-default engine-core and worker processes, whose polling starved 2 cores: docs/vllm.md),
-NixlConnector with `bidirectional_kv_xfer`,
-float32 (greedy answers compare exactly), duplexkv's vLLM plugin (`--no-plugin`: stock 0.32,
-whose streams carry no params). After the run they stop and a single vLLM server answers every
-recorded turn as the oracle. The front-ends, in turn on every turn (order rotating per turn):
+vLLM P (no prefix cache) and D, unpinned (`--bind cores`: P on core 0, D on core 1), each engine
+in its server's process (`--engine mp`: vLLM's default processes, whose polling starved 2 cores:
+docs/vllm.md), NixlConnector with `bidirectional_kv_xfer`, float32 (greedy answers compare
+exactly), duplexkv's vLLM plugin (`--no-plugin`: stock 0.32, whose streams carry no params). Then
+a single vLLM server answers every recorded turn as the oracle. The front-ends, in turn on every turn (order rotating per turn):
 
     off      our router, no conversation id: one-way P/D, P computes every whole prompt
     proxy    vLLM's own disagg_proxy_multiturn.py from the path given (not shipped here), with
@@ -125,14 +122,15 @@ class Bench:
         kv = json.dumps({**KV, "kv_connector_extra_config": {
             "bidirectional_kv_xfer": True, "kv_recompute_threshold": a.threshold}})
         env = {"VLLM_PLUGINS": ""} if a.no_plugin else {}
-        env.update(self.engine_env())
+        engine_env, engine_args = vllm_venv.engine_layout(a.engine)
+        env.update(engine_env)
         max_len = self.max_model_len()
         p_cores, d_cores = ("0", "1") if a.bind == "cores" else ("nobind", "nobind")
         specs = {  # name -> (cores, extra args, env)
-            "prefill": (p_cores, (*self.engine_args(), "--no-enable-prefix-caching",
+            "prefill": (p_cores, (*engine_args, "--no-enable-prefix-caching",
                                   "--kv-transfer-config", kv),
                         {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(vllm_venv.free_port())}),
-            "decode": (d_cores, (*self.engine_args(), "--kv-transfer-config", kv),
+            "decode": (d_cores, (*engine_args, "--kv-transfer-config", kv),
                        {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(vllm_venv.free_port())}),
         }
         with ThreadPoolExecutor(len(specs)) as ex:
@@ -150,12 +148,6 @@ class Bench:
         self.urls["off"] = self.urls["on"] = router.url
         if "proxy" in a.modes:
             self.urls["proxy"] = self._start_proxy()
-
-    def engine_env(self) -> dict[str, str]:
-        return dict(vllm_venv.IN_PROCESS_ENV) if self.args.engine == "inproc" else {}
-
-    def engine_args(self) -> tuple[str, ...]:
-        return vllm_venv.IN_PROCESS_ARGS if self.args.engine == "inproc" else ()
 
     def max_model_len(self) -> int:
         """--max-context plus room for an answer, within the model's own limit."""
@@ -185,9 +177,10 @@ class Bench:
         """P, D and the front-ends are stopped: a single vLLM server on both cores answers
         every recorded turn; fills each row's prompt length and `equal`."""
         a = self.args
+        engine_env, engine_args = vllm_venv.engine_layout(a.engine)
         server = vllm_venv.start_vllm(a.venv, self.model_dir, "float32", self.max_model_len(),
-                                      "0-1", 2, self.logs, extra=self.engine_args(),
-                                      log_name="vllm-single", env=self.engine_env(),
+                                      "0-1", 2, self.logs, extra=engine_args,
+                                      log_name="vllm-single", env=engine_env,
                                       name=self.name)
         try:
             with httpx.Client(timeout=1800, trust_env=False) as client:

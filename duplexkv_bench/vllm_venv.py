@@ -125,8 +125,11 @@ def vllm_command(venv: Path, model_dir: Path, dtype: str, max_model_len: int,
 # message-queue reader polls (sched_yield) for a second after every step: an idle P and D kept 4
 # threads spinning, on 2 cores a tiny model's turn took 7-59 s and P's leases ran out
 # (docs/vllm.md). In-process the same turns take 0.4-1.2 s, with the same answers.
-IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-IN_PROCESS_ARGS = ("--distributed-executor-backend", "uni")
+def engine_layout(engine: str) -> tuple[dict[str, str], tuple[str, ...]]:
+    """-> (environment, arguments) for `inproc` (above) or `mp` (vLLM's default layout)."""
+    if engine == "inproc":
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, ("--distributed-executor-backend", "uni")
+    return {}, ()
 
 
 def start_vllm(venv: Path, model_dir: Path, dtype: str, max_model_len: int, cores: str,

