@@ -17,7 +17,10 @@ run belong together.
     .venv/bin/duplexkv bench soak --duration 600 --as-serve  # without the launcher's env
 
 `--debug-memory S` starts the processes with DUPLEXKV_DEBUG_MEMORY=1 and records every S seconds
-what GET /debug/memory says (maps' sizes, gc object counts, glibc heap state); `--tracemalloc N`
+what GET /debug/memory?trim=1 says (maps' sizes, gc object counts, glibc heap state, resident
+memory by kind of mapping, and the RSS before and after a `malloc_trim`): the RSS after the trim is
+what the process retains, free of where the run stands in the workers' own trim period, and its
+slope (the "retained" column) is the soak's measure of growth; `--tracemalloc N`
 also traces allocations (N frames). `--env KEY=VALUE` sets a variable for all processes (an empty
 VALUE removes it, also from the launcher's defaults).
 """
@@ -145,11 +148,14 @@ class Load:
 
 
 AUTH: dict[str, str] = {}  # the cluster's worker key (its workers guard /debug/...)
+ROUTER_AUTH: dict[str, str] = {}  # the router's client key (it guards its /debug/... too)
 
 
-def get_json(url: str, timeout: float = 30) -> dict | None:
+def get_json(url: str, timeout: float = 30, headers: dict[str, str] | None = None
+             ) -> dict | None:
     try:
-        r = httpx.get(url, timeout=timeout, trust_env=False, headers=AUTH)
+        r = httpx.get(url, timeout=timeout, trust_env=False,
+                      headers=AUTH if headers is None else headers)
         return r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
@@ -170,7 +176,7 @@ async def sample_loop(procs: list[launch.Proc], t0: float, deadline: float, ever
             next_debug = t + debug_every_s
             snap = {"t": round(t, 1)}
             for p in procs:
-                snap[p.name] = await asyncio.to_thread(get_json, p.url + "/debug/memory")
+                snap[p.name] = await asyncio.to_thread(debug_memory, p)
             debug.append(snap)
             for p in procs:
                 d = snap[p.name] or {}
@@ -180,6 +186,20 @@ async def sample_loop(procs: list[launch.Proc], t0: float, deadline: float, ever
         if time.monotonic() >= deadline:
             return
         await asyncio.sleep(min(every_s, max(0.0, deadline - time.monotonic())))
+
+
+def debug_memory(p: launch.Proc, trim: bool = True) -> dict | None:
+    """GET /debug/memory of one process (the router's with its client key); `trim` asks it to
+    give its free heap back first and report its RSS before and after."""
+    headers = ROUTER_AUTH if p.name == "router" else AUTH
+    return get_json(p.url + "/debug/memory" + ("?trim=1" if trim else ""), headers=headers)
+
+
+def retained(debug: list[dict], name: str) -> list[tuple[float, float]]:
+    """(t, RSS after the snapshot's trim) of one process, from the timed snapshots."""
+    return [(s["t"], s[name]["rss_mb"]) for s in debug
+            if isinstance(s.get("t"), (int, float)) and (s.get(name) or {}).get("trimmed")
+            is not None]
 
 
 def envelope(points: list[tuple[float, float]], window_s: float, pick=min
@@ -200,9 +220,10 @@ def envelope(points: list[tuple[float, float]], window_s: float, pick=min
 
 
 def summarize(procs: list[launch.Proc], samples: list[dict], duration: float,
-              warmup_s: float = 0.0) -> list[dict]:
+              warmup_s: float = 0.0, debug: list[dict] | None = None) -> list[dict]:
     """Per process: RSS start/end/max, and slopes over the measured part (after `warmup_s`):
-    least squares through every sample, and through the per-trim-period minima and maxima."""
+    least squares through every sample, through the per-trim-period minima and maxima, and
+    (with `debug` snapshots) through the RSS after each snapshot's trim."""
     rows = []
     half = duration / 2
     period = OVERDUE * TRIM_INTERVAL_S
@@ -222,6 +243,10 @@ def summarize(procs: list[launch.Proc], samples: list[dict], duration: float,
                          envelope(measured, period, min)), 2),
                      "slope_peak_mb_per_min": round(slope_mb_per_min(
                          envelope(measured, period, max)), 2)})
+        kept = [(t, v) for t, v in retained(debug or [], p.name) if t >= warmup_s]
+        rows[-1]["retained_points"] = len(kept)
+        rows[-1]["slope_retained_mb_per_min"] = (
+            round(slope_mb_per_min(kept), 2) if len(kept) >= 3 else None)
     return rows
 
 
@@ -294,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.start()
         AUTH.update(cluster.worker_headers())
+        ROUTER_AUTH.update({"Authorization": f"Bearer {client_key()}"})
         procs = [cluster.router, *cluster.prefill, *cluster.decode]
         names = {"prefill-0": "P", "decode-0": "D"}
         load = Load(cluster.url, args.model, tok, args.clients, args.max_context, args.seed,
@@ -313,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             d = get_json(w.url + "/debug/engine") or {}
             integrity[w.name] = d.get("integrity", "no answer")
         if args.debug_memory:  # after the load: what stays
-            debug.append({"t": "end", **{p.name: get_json(p.url + "/debug/memory")
-                                         for p in procs}})
+            debug.append({"t": "end", **{p.name: debug_memory(p, trim=False) for p in procs}})
         dead = cluster.dead()
         if dead is not None:
             print(f"{dead.name} exited with {dead.proc.returncode}:\n{dead.tail()}")
@@ -325,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.stop()
 
     c = load.counts
-    rows = summarize(procs, samples, args.duration, args.warmup)
+    rows = summarize(procs, samples, args.duration, args.warmup, debug)
     print(f"\n{c.requests} requests in {c.conversations} conversations, {c.failed} failed "
           f"(in-flight turns finished {drained:.0f} s after the deadline); reuse outcomes "
           f"{dict(sorted(c.outcomes.items()))}; integrity {integrity}")
@@ -333,13 +358,16 @@ def main(argv: list[str] | None = None) -> int:
         print("  error:", e)
     print(f"\nslopes from {args.warmup:.0f} s on (MB/min): least squares through every sample, "
           f"and through the lowest / highest sample of each {OVERDUE * TRIM_INTERVAL_S:.0f} s "
-          f"(a busy worker's heap-trim period)")
+          f"(a busy worker's heap-trim period), and through the RSS right after each "
+          f"/debug/memory trim (retained; --debug-memory)")
     print("\n| process | RSS start MB | RSS end MB | RSS max MB | slope, all samples |"
-          " slope, floor (after trims) | slope, peaks |\n|---|---|---|---|---|---|---|")
+          " slope, lowest | slope, peaks | slope, retained |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
+        kept = r["slope_retained_mb_per_min"]
         print(f"| {names.get(r['process'], r['process'])} | {r['start_mb']:,.1f} | "
               f"{r['end_mb']:,.1f} | {r['max_mb']:,.1f} | {r['slope_measured_mb_per_min']:+.2f} |"
-              f" {r['slope_floor_mb_per_min']:+.2f} | {r['slope_peak_mb_per_min']:+.2f} |")
+              f" {r['slope_floor_mb_per_min']:+.2f} | {r['slope_peak_mb_per_min']:+.2f} | "
+              f"{'n/a' if kept is None else f'{kept:+.2f}'} ({r['retained_points']} points) |")
     print(f"\nmodel {args.model}, {describe_dtype(args.dtype)}, {os.cpu_count()} CPUs, "
           f"{platform.machine()}")
     if args.json:

@@ -2,7 +2,7 @@
 returned every few trim intervals) must read as flat, and growth as growth, whatever phase the
 run ends in."""
 
-from duplexkv_bench.soak import envelope, slope_mb_per_min
+from duplexkv_bench.soak import envelope, retained, slope_mb_per_min, summarize
 
 PERIOD = 120
 
@@ -31,3 +31,26 @@ def test_growth_under_the_sawtooth_shows_in_the_floor() -> None:
 def test_a_partial_last_window_is_left_out() -> None:
     pts = [(0, 1.0), (60, 2.0), (110, 3.0), (120, 100.0)]  # the window from 120 s: one sample
     assert envelope(pts, PERIOD) == [(0, 1.0)]
+
+
+def test_retained_slope_reads_the_rss_after_each_snapshots_trim():
+    """A worker whose RSS saw-tooths but whose RSS after a trim stays flat retains nothing: the
+    retained slope reads the trimmed snapshots only (not the untrimmed one at the end, nor a
+    process that did not answer), after the warm-up."""
+    class P:
+        def __init__(self, name):
+            self.name = name
+    samples = [{"t": float(t), "w": 500.0 + (t % 120)} for t in range(0, 1200, 10)]
+    debug = [{"t": float(t), "w": {"rss_mb": 400.0 + (t % 7) * 0.01, "trimmed": True}}
+             for t in range(0, 1200, 60)]
+    debug += [{"t": 1190.0, "w": None}, {"t": "end", "w": {"rss_mb": 900.0}}]
+    pts = retained(debug, "w")
+    assert len(pts) == 20 and all(v < 401 for _, v in pts)
+    row = summarize([P("w")], samples, 1200, warmup_s=300, debug=debug)[0]
+    assert row["retained_points"] == 15
+    assert abs(row["slope_retained_mb_per_min"]) < 0.1
+    growing = [{"t": s["t"], "w": {"rss_mb": 400.0 + s["t"] / 60, "trimmed": True}}
+               for s in debug[:20]]
+    assert summarize([P("w")], samples, 1200, 300, growing)[0][
+        "slope_retained_mb_per_min"] == 1.0
+    assert summarize([P("w")], samples, 1200, 300)[0]["slope_retained_mb_per_min"] is None

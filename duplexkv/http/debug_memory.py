@@ -7,6 +7,10 @@ frames per trace at start-up (slow: for investigations only).
     structures        sizes of the process's own maps and queues (given by the app)
     gc                objects tracked by the collector, and the most numerous types
     malloc            glibc's mallinfo2: bytes in use, free inside the heaps, mmapped; arenas
+    maps              resident MB by kind of mapping (/proc/self/smaps): the main heap, anonymous
+                      writable mappings (glibc's 64 MB-aligned thread arenas; others by size:
+                      Python's 1 MB arenas, large tensors), anonymous executable ones (JIT-compiled kernels),
+                      files, stacks; with the number of mappings of each kind
     tracemalloc       (when started) traced bytes and the top lines by growth since the last call
     ?trim=1           run malloc_trim(0) first and report the RSS before and after it
 """
@@ -85,6 +89,47 @@ def malloc_stats() -> dict | None:
     return out
 
 
+def _map_kind(start: int, end: int, perms: str, name: str) -> str:
+    if name == "[heap]":
+        return "heap"
+    if name.startswith("[stack"):
+        return "stack"
+    if name.startswith("["):
+        return "other"
+    if name:
+        return "file"
+    if "x" in perms:
+        return "anon_exec"
+    if perms.startswith("---"):
+        return "anon_reserved"
+    if start % (64 * _MB) == 0 and end - start <= 64 * _MB:
+        return "anon_arena"  # glibc's thread arenas: 64 MB-aligned heaps, grown in place
+    size = end - start
+    if size <= _MB:
+        return "anon_le_1mb"
+    return "anon_1_64mb" if size < 64 * _MB else "anon_gt_64mb"
+
+
+def maps_summary(path: str = "/proc/self/smaps") -> dict | None:
+    """Resident MB and the count of mappings per kind (`_map_kind`); None off Linux."""
+    head = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
+    rss: dict[str, int] = collections.Counter()
+    count: dict[str, int] = collections.Counter()
+    kind = "other"
+    try:
+        with open(path) as fh:
+            for line in fh:
+                m = head.match(line)
+                if m:
+                    kind = _map_kind(int(m[1], 16), int(m[2], 16), m[3], m[4].strip())
+                    count[kind] += 1
+                elif line.startswith("Rss:"):
+                    rss[kind] += int(line.split()[1])
+    except OSError:
+        return None
+    return {k: {"rss_mb": round(rss[k] / 1024, 1), "maps": count[k]} for k in sorted(count)}
+
+
 def malloc_trim() -> bool:
     libc = _libc()
     return bool(libc is not None and libc.malloc_trim(0))
@@ -136,6 +181,7 @@ def report(structures: Callable[[], dict] | None = None, trim: bool = False) -> 
         out["structures"] = structures()
     out["gc"] = gc_summary()
     out["malloc"] = malloc_stats()
+    out["maps"] = maps_summary()
     out["tracemalloc"] = tracemalloc_summary()
     return out
 
