@@ -161,3 +161,26 @@ def test_bf16_p_reading_d_history_gives_reuse_off_tokens(tiny_model_dir, tmp_pat
     finally:
         p.stop()
         d.stop()
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,dtype", [
+    (8, 2, 64, torch.bfloat16), (2, 1, 32, torch.bfloat16), (4, 4, 32, torch.float16)])
+def test_a_decode_batch_gives_each_row_what_it_gets_alone(heads, kv_heads, dim, dtype):
+    """Decode rows of many sequences in one step (their diagonal blocks in one kernel call, one
+    merge) equal each sequence's row computed alone, bit for bit: positions inside the first key
+    block (no merge), on both sides of block edges and deep in a later block."""
+    kb = attention.KEY_BLOCK
+    positions = [0, 5, kb - 1, kb, kb + 1, 700, 2 * kb - 1, 2 * kb, 2 * kb + 77]
+    g = torch.Generator().manual_seed(7 + heads)
+    q = torch.randn(len(positions), heads, dim, generator=g).to(dtype)
+    keys = [torch.randn(1, kv_heads, p + 1, dim, generator=g).to(dtype) for p in positions]
+    values = [torch.randn(1, kv_heads, p + 1, dim, generator=g).to(dtype) for p in positions]
+    alone = torch.cat([attention._blocked(q[i : i + 1], keys[i], values[i], p, dim ** -0.5)
+                       for i, p in enumerate(positions)])
+    for order in (list(range(len(positions))), list(range(len(positions)))[::-1]):
+        out = torch.zeros_like(q)
+        attention._blocked_decode(q, out, order, [keys[i] for i in order],
+                                  [values[i] for i in order], [positions[i] for i in order],
+                                  dim ** -0.5)
+        bad = (out != alone).any(-1).any(-1).nonzero().flatten().tolist()
+        assert not bad, f"rows {bad} differ from the row computed alone"
