@@ -6,8 +6,9 @@ elsewhere. Measured, per kind of CPU:
   matmul ran 444 GFLOP/s in bfloat16 vs 231 in float32; bench preset, 2k-token prefill: 0.82-2.65 s
   in bfloat16 vs 4.5-5.8 s in float32 (four interleaved runs, loaded machine); on a quiet machine
   (`bench vs_vllm`, docs/results/vs-vllm.md) 0.33 vs 0.58 s. Decode has native kernels in float32
-  only so far (issue 31): there a decode step is faster in float32 (4k context, batch 1: 9.3 vs
-  18.6 ms), so a decode-heavy worker on AMX runs faster with `--dtype float32` until bf16 has its own.
+  only so far (issue 31): there a decode step is faster in float32 (4k context, batch 1: 9.3
+  vs 18.6 ms), so a decode-heavy worker on AMX runs faster with `--dtype float32` until bf16
+  has its own.
 - AVX-512 with `avx512_bf16` but no AMX (Cooper Lake, Zen 4): float32. Its bfloat16 is native dot
   products only: a 2048^3 torch matmul on 2 threads ran 90 GFLOP/s in bfloat16 vs 195 in float32,
   and the engine's bfloat16 was 1.15x (2k prefill) to 1.9x (decode) slower than its float32

@@ -9,8 +9,8 @@ frames per trace at start-up (slow: for investigations only).
     malloc            glibc's mallinfo2: bytes in use, free inside the heaps, mmapped; arenas
     maps              resident MB by kind of mapping (/proc/self/smaps): the main heap, anonymous
                       writable mappings (glibc's 64 MB-aligned thread arenas; others by size:
-                      Python's 1 MB arenas, large tensors), anonymous executable ones (JIT-compiled kernels),
-                      files, stacks; with the number of mappings of each kind
+                      Python's 1 MB arenas, large tensors), anonymous executable ones (JIT-compiled
+                      kernels), files, stacks; with the number of mappings of each kind
     tracemalloc       (when started) traced bytes and the top lines by growth since the last call
     ?trim=1           run malloc_trim(0) first and report the RSS before and after it
 """
