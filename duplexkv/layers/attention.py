@@ -308,12 +308,18 @@ def _blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
             lse[1, m] = lse2[0, :, : group * r_pad].reshape(h, r_pad)[:, :rows].t()
         lo = hi
     if first < n:
-        # softmax over both parts: o1 + (o2 - o1) * w, w = e^lse2 / (e^lse1 + e^lse2); every
-        # op but the sigmoid rounds exactly, the same for a row wherever it sits
-        w = _sigmoid_rows(lse[1] - lse[0])[..., None]  # [rows, H, 1]
-        o1f = o1s.float()
-        out[first:] = out[first:].float().sub_(o1f).mul_(w).add_(o1f)
+        out[first:] = _merge_rows(o1s, lse[0], out[first:], lse[1])
     return out
+
+
+def _merge_rows(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
+                lse2: torch.Tensor) -> torch.Tensor:
+    """Softmax over both parts of `_blocked`'s rows ([rows, H, D] outputs, [rows, H] log-sum-exps)
+    in float32: o1 + (o2 - o1) * w, w = e^lse2 / (e^lse1 + e^lse2); every op but the sigmoid
+    rounds exactly, the same for a row wherever it sits (one formula for prefill and decode)."""
+    w = _sigmoid_rows(lse2 - lse1)[..., None]  # [rows, H, 1]
+    o1f = o1.float()
+    return o2.float().sub_(o1f).mul_(w).add_(o1f)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor,
@@ -419,10 +425,7 @@ def _blocked_decode(q: torch.Tensor, out: torch.Tensor, rows: list[int], keys: l
             o1s[j] = o1[0, :, :group].reshape(h, d)
             lse1s[j] = lse1[0, :, :group].reshape(h)
         m = torch.tensor(merged)
-        lse_b = lse2[:, :, :group].reshape(b, h)[m]
-        w = _sigmoid_rows(lse_b - lse1s)[..., None]  # as `_blocked`'s merge, row by row
-        o1f = o1s.float()
-        o2[m] = o2[m].float().sub_(o1f).mul_(w).add_(o1f).to(q.dtype)
+        o2[m] = _merge_rows(o1s, lse1s, o2[m], lse2[:, :, :group].reshape(b, h)[m]).to(q.dtype)
     out[idx] = o2
 
 
