@@ -122,8 +122,12 @@ def test_silu_mul_matches_torch():
 def test_elementwise_kernels_refuse_what_does_not_fit():
     assert not native.rows_ok(torch.randn(17, 64))  # more rows than a decode step's
     assert not native.rows_ok(torch.randn(2, 40))  # not a multiple of 16
-    assert not native.rows_ok(torch.randn(2, 64).bfloat16())
+    assert not native.rows_ok(torch.randn(2, 64).half())
+    assert native.rows_ok(torch.randn(300, 64).bfloat16())  # bf16: any number of rows
+    assert not native.rows_ok(torch.randn(2, 40).bfloat16())
     assert not native.rows_ok(torch.randn(64, 2).t())
+    with pytest.raises(ValueError):  # mixed dtypes
+        native.add_rmsnorm(torch.randn(2, 64).bfloat16(), None, torch.ones(64), 1e-6)
     with pytest.raises(ValueError):
         native.add_rmsnorm(torch.randn(2, 64), torch.randn(3, 64), torch.ones(64), 1e-6)
     with pytest.raises(ValueError):
@@ -139,6 +143,54 @@ def test_elementwise_kernels_refuse_what_does_not_fit():
         native.qk_norm_rope(torch.randn(2, 96), None, cos, sin, 2, 1, 32, 1e-6)
     with pytest.raises(ValueError):  # tables of the wrong width
         native.qk_norm_rope(torch.randn(2, 128), None, cos[:, :8], sin, 2, 1, 32, 1e-6)
+
+
+def _bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> int:
+    """The largest distance between two bf16 tensors in units in the last place."""
+    a, b = got.view(torch.int16).int(), want.view(torch.int16).int()
+    a = torch.where(a < 0, -32768 - a, a)  # sign-magnitude to a monotonic integer line
+    b = torch.where(b < 0, -32768 - b, b)
+    return int((a - b).abs().max())
+
+
+def test_bf16_elementwise_kernels_round_as_torchs_bf16_ops_and_keep_a_rows_bits():
+    """bf16, any row count (prefill chunks on the pool's threads): within one bf16 ulp of the
+    model's PyTorch path (float32 sums in another order), and a row's bits whatever rows share
+    the call or where it sits (reuse relies on it: docs/engine.md)."""
+    from duplexkv.model.qwen3 import Rotary, apply_rope
+
+    g = torch.Generator().manual_seed(11)
+    m, hidden, heads, kv_heads, d, inter = 700, 512, 8, 2, 64, 384
+    x = torch.randn(m, hidden, generator=g).bfloat16()
+    res = torch.randn(m, hidden, generator=g).bfloat16()
+    w = (torch.rand(hidden, generator=g) + 0.5).bfloat16()
+    assert native.rows_ok(x)
+    stream = res.clone()
+    out = native.add_rmsnorm(x, stream, w, 1e-6)
+    assert torch.equal(stream, x + res)  # the residual sum, rounded as torch rounds it
+    assert _bf16_ulps(out, F.rms_norm(x + res, (hidden,), w, 1e-6)) <= 1
+    assert _bf16_ulps(native.add_rmsnorm(x, None, w, 1e-6), F.rms_norm(x, (hidden,), w, 1e-6)) <= 1
+
+    gu = (torch.randn(m, 2 * inter, generator=g) * 4).bfloat16()
+    gate, up = gu.split(inter, dim=-1)
+    act = native.silu_mul(gu)
+    assert _bf16_ulps(act, F.silu(gate) * up) <= 2  # an ulp of silu, then the product
+
+    qkv = torch.randn(m, (heads + 2 * kv_heads) * d, generator=g).bfloat16()
+    wqk = (torch.rand(heads + kv_heads, d, generator=g) + 0.5).bfloat16()
+    cos, sin = Rotary(d, 1e6, 32768)(torch.randint(0, 32000, (m,), generator=g), torch.bfloat16)
+    q, k = native.qk_norm_rope(qkv, wqk, cos, sin, heads, kv_heads, d, 1e-6)
+    qk = qkv[:, : (heads + kv_heads) * d].view(m, heads + kv_heads, d)
+    want = apply_rope(F.rms_norm(qk, (d,), None, 1e-6) * wqk, cos, sin)
+    assert _bf16_ulps(q, want[:, :heads]) <= 2 and _bf16_ulps(k, want[:, heads:]) <= 2
+
+    for rows in (slice(0, 1), slice(5, 8), slice(100, 117), slice(699, 700), slice(33, 600)):
+        part = res[rows].clone()
+        assert torch.equal(native.add_rmsnorm(x[rows].contiguous(), part, w, 1e-6), out[rows])
+        assert torch.equal(native.silu_mul(gu[rows].contiguous()), act[rows])
+        q2, k2 = native.qk_norm_rope(qkv[rows].contiguous(), wqk, cos[rows], sin[rows], heads,
+                                     kv_heads, d, 1e-6)
+        assert torch.equal(q2, q[rows]) and torch.equal(k2, k[rows])
 
 
 def test_kernels_called_from_many_threads_at_once_are_right():

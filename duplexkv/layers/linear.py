@@ -26,6 +26,12 @@ once, no packing; faster still), where its kernels are built. Rows up to `SMALL_
 again); more rows (prefill chunks) take the oneDNN path above, or `F.linear`, where the large
 GEMM needs no transpose. `DUPLEXKV_SMALL_GEMM=0` turns every path off (A/B measurements, or a
 BLAS where they do not pay).
+
+bf16 weights on a CPU with AMX (`amx.available()`) are packed once after loading
+(`Linear.pack`) and every product, whatever its row count, runs `amx.linear` on the
+kernels' own threads: one reduction order for a row whatever M, so a decode step's rows round as
+a prefill's rows do (reuse keeps answers, docs/engine.md), and no sleeping OpenMP team to wake
+per product. `DUPLEXKV_AMX_LINEAR=0` keeps the paths above.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from duplexkv.layers import native
+from duplexkv.layers import amx, native
 
 SMALL_ROWS = 128  # bench model, 2 threads: (W @ x.T).T was faster at every M up to 256
 NATIVE_ROWS = 16  # float32 products this short run native.linear (faster at 1-16 rows)
@@ -46,6 +52,7 @@ ENABLED = os.environ.get("DUPLEXKV_SMALL_GEMM", "1") != "0"
 _ONEDNN = getattr(torch.ops.mkldnn, "_linear_pointwise", None) \
     if torch.backends.mkldnn.is_available() else None
 ONEDNN_ROWS = os.environ.get("DUPLEXKV_ONEDNN_LINEAR", "1") != "0" and _ONEDNN is not None
+AMX_LINEAR = os.environ.get("DUPLEXKV_AMX_LINEAR", "1") != "0"
 
 
 def _onednn_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -76,8 +83,32 @@ class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state-dict names) computed by `linear` above, without
     the random initialisation: its weights always come from a checkpoint."""
 
+    packed: torch.Tensor | None = None  # the weight in the AMX kernel's layout, once `pack`ed
+    bias32: torch.Tensor | None = None
+
     def reset_parameters(self) -> None:
         pass
 
+    def pack(self, keep_weight: bool = False) -> bool:
+        """Compute every product with the AMX kernel from now on, if it runs here and takes this
+        weight (bf16, in_features a multiple of 32). Unless `keep_weight` (a weight shared with
+        another module, as a tied LM head's), the plain weight is released: the packed copy is the
+        only one. Returns whether it packed."""
+        w = self.weight
+        if (not AMX_LINEAR or self.packed is not None or w.dtype != torch.bfloat16
+                or self.in_features % amx.K_MULTIPLE or not amx.available()):
+            return False
+        self.packed = amx.pack(w.detach().contiguous())
+        if self.bias is not None:
+            self.bias32 = self.bias.detach().float()
+        if not keep_weight:
+            self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            shape = x.shape
+            y = amx.linear(x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous(),
+                                  self.packed, self.out_features, self.bias32)
+            return y.view(*shape[:-1], self.out_features)
         return linear(x, self.weight, self.bias)

@@ -1,4 +1,6 @@
-"""The float32 decode kernels of native_kernels.c, compiled for this machine on first use.
+"""The kernels of native_kernels.c, compiled for this machine on first use: float32 decode
+kernels, bf16 element-wise kernels for any row count (native_bf16.h) and the AMX bf16 linear
+(native_amx.h, bound in amx.py).
 
 Why our own: on the CPUs we run on, the BLAS in PyTorch's wheel packs the weight matrix before a
 product even for the few rows of a decode step, and SDPA's flash kernel runs a decode query as
@@ -42,14 +44,15 @@ from duplexkv.paths import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
-SOURCES = (SOURCE, SOURCE.with_name("native_pool.h"))  # what the build reads (the digest's)
+SOURCES = (SOURCE, SOURCE.with_name("native_pool.h"), SOURCE.with_name("native_amx.h"))  # what the build reads (the digest's)
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
                  "-pthread"]
 LINK_FLAGS = ["-shared", "-pthread"]
-ABI = 1  # dkv_abi() of the source this module binds
+ABI = 2  # dkv_abi() of the source this module binds
 MAX_GROUP = 16  # native_kernels.c MAX_G
 MAX_HEAD_DIM = 512  # native_kernels.c MAX_D
 MAX_ROWS = 16  # the element-wise kernels below run single-threaded: for a decode step's rows
+MAX_BF16_WIDTH = 32768  # native_bf16.h BF_MAX_N
 ENABLED = os.environ.get("DUPLEXKV_NATIVE", "1") != "0"
 
 _i64, _f32p = ctypes.c_int64, ctypes.c_void_p
@@ -102,6 +105,20 @@ def _load() -> ctypes.CDLL | None:
     lib.dkv_qk_norm_rope.restype = None
     lib.dkv_silu_mul.argtypes = [_f32p, _f32p, _i64, _i64]
     lib.dkv_silu_mul.restype = None
+    lib.dkv_bf16_add_rmsnorm.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64, _i64, ctypes.c_float,
+                                         ctypes.c_int]
+    lib.dkv_bf16_add_rmsnorm.restype = None
+    lib.dkv_bf16_qk_norm_rope.argtypes = [_f32p, _i64, _f32p, _f32p, _f32p, _f32p, _f32p, _i64,
+                                          _i64, _i64, _i64, ctypes.c_float, ctypes.c_int]
+    lib.dkv_bf16_qk_norm_rope.restype = None
+    lib.dkv_bf16_silu_mul.argtypes = [_f32p, _f32p, _i64, _i64, ctypes.c_int]
+    lib.dkv_bf16_silu_mul.restype = None
+    lib.dkv_amx_init.argtypes = []
+    lib.dkv_amx_init.restype = ctypes.c_int
+    lib.dkv_amx_pack.argtypes = [_f32p, _f32p, _i64, _i64]
+    lib.dkv_amx_pack.restype = None
+    lib.dkv_amx_linear.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64, _i64, _i64, ctypes.c_int]
+    lib.dkv_amx_linear.restype = ctypes.c_int
     return lib
 
 
@@ -182,26 +199,42 @@ def attention_ok(q: torch.Tensor, num_kv: int) -> bool:
 
 
 def rows_ok(x: torch.Tensor) -> bool:
-    """Whether the element-wise kernels below take x [M, N]: float32, contiguous, a decode
-    step's few rows (M <= MAX_ROWS), N % 16 == 0."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] % 16 == 0 and _fits(x)
-            and available())
+    """Whether the element-wise kernels below take x [M, N], N % 16 == 0, contiguous: float32
+    for a decode step's few rows (M <= MAX_ROWS), bf16 for any M (native_bf16.h; N <=
+    MAX_BF16_WIDTH)."""
+    if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] % 16 or x.device.type != "cpu" \
+            or not x.is_contiguous():
+        return False
+    if x.dtype == torch.bfloat16:
+        return x.shape[1] <= MAX_BF16_WIDTH and available()
+    return x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and available()
+
+
+def _fits_as(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                 eps: float) -> torch.Tensor:
     """RMSNorm of x [M, N] with `weight` [N]; with `residual` (same shape), x + residual is
-    normalised and also left in `residual` (in place: the residual stream). `rows_ok(x)` first."""
-    if not _fits(x) or x.dim() != 2 \
-            or (residual is not None and (residual.shape != x.shape or not _fits(residual))) \
-            or weight.shape != (x.shape[1],) or not _fits(weight):
-        raise ValueError(f"native rmsnorm: x {tuple(x.shape)}, residual "
+    normalised and also left in `residual` (in place: the residual stream). float32 or bf16, all
+    of the same dtype. `rows_ok(x)` first."""
+    dt = x.dtype
+    if dt not in (torch.float32, torch.bfloat16) or not _fits_as(x, dt) or x.dim() != 2 \
+            or (residual is not None and (residual.shape != x.shape
+                                          or not _fits_as(residual, dt))) \
+            or weight.shape != (x.shape[1],) or not _fits_as(weight, dt):
+        raise ValueError(f"native rmsnorm: x {dt} {tuple(x.shape)}, residual "
                          f"{None if residual is None else tuple(residual.shape)}, weight "
-                         f"{tuple(weight.shape)}")
+                         f"{weight.dtype} {tuple(weight.shape)}")
     out = torch.empty_like(x)
     src, add = (x, None) if residual is None else (residual, x)
-    _lib.dkv_add_rmsnorm(src.data_ptr(), None if add is None else add.data_ptr(),
-                         weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    args = (src.data_ptr(), None if add is None else add.data_ptr(), weight.data_ptr(),
+            out.data_ptr(), x.shape[0], x.shape[1], eps)
+    if dt == torch.bfloat16:
+        _lib.dkv_bf16_add_rmsnorm(*args, torch.get_num_threads())
+    else:
+        _lib.dkv_add_rmsnorm(*args)
     return out
 
 
@@ -210,29 +243,40 @@ def qk_norm_rope(qkv: torch.Tensor, norm_weight: torch.Tensor | None, cos: torch
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [M, (heads + 2 kv_heads) * head_dim] -> q [M, heads, D], k [M, kv_heads, D]: each
     query and key head RMS-normalised (per-head weights [heads + kv_heads, D], or None for
-    none), then rotated by RoPE with half-width tables cos/sin [M, D / 2]. `rows_ok(qkv)` first."""
-    m, d, half = qkv.shape[0], head_dim, head_dim // 2
+    none), then rotated by RoPE with half-width tables cos/sin [M, D / 2]. float32 or bf16, all
+    of the same dtype. `rows_ok(qkv)` first."""
+    m, d, half, dt = qkv.shape[0], head_dim, head_dim // 2, qkv.dtype
     cos, sin = cos.reshape(m, -1), sin.reshape(m, -1)
-    if (not _fits(qkv) or qkv.shape[1] != (heads + 2 * kv_heads) * d or d % 16 or d > MAX_HEAD_DIM
-            or cos.shape != (m, half) or sin.shape != (m, half) or not _fits(cos)
-            or not _fits(sin) or (norm_weight is not None and (
-                norm_weight.shape != (heads + kv_heads, d) or not _fits(norm_weight)))):
-        raise ValueError(f"native qk norm/rope: qkv {tuple(qkv.shape)}, heads {heads}/{kv_heads}"
-                         f" x {d}, cos {tuple(cos.shape)}")
-    q = torch.empty(m, heads, d, dtype=torch.float32)
-    k = torch.empty(m, kv_heads, d, dtype=torch.float32)
-    _lib.dkv_qk_norm_rope(qkv.data_ptr(), qkv.shape[1],
-                          None if norm_weight is None else norm_weight.data_ptr(),
-                          cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), m, heads,
-                          kv_heads, d, eps)
+    if (dt not in (torch.float32, torch.bfloat16) or not _fits_as(qkv, dt)
+            or qkv.shape[1] != (heads + 2 * kv_heads) * d or d % 16 or d > MAX_HEAD_DIM
+            or cos.shape != (m, half) or sin.shape != (m, half) or not _fits_as(cos, dt)
+            or not _fits_as(sin, dt) or (norm_weight is not None and (
+                norm_weight.shape != (heads + kv_heads, d) or not _fits_as(norm_weight, dt)))):
+        raise ValueError(f"native qk norm/rope: qkv {dt} {tuple(qkv.shape)}, heads {heads}/"
+                         f"{kv_heads} x {d}, cos {cos.dtype} {tuple(cos.shape)}")
+    q = torch.empty(m, heads, d, dtype=dt)
+    k = torch.empty(m, kv_heads, d, dtype=dt)
+    args = (qkv.data_ptr(), qkv.shape[1], None if norm_weight is None else norm_weight.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), m, heads, kv_heads, d, eps)
+    if dt == torch.bfloat16:
+        _lib.dkv_bf16_qk_norm_rope(*args, torch.get_num_threads())
+    else:
+        _lib.dkv_qk_norm_rope(*args)
     return q, k
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [M, 2 I] (gate | up) -> silu(gate) * up [M, I]. `rows_ok(gate_up)` first."""
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not _fits(gate_up):
-        raise ValueError(f"native silu_mul: gate_up {gate_up.dtype} {tuple(gate_up.shape)}")
+    """gate_up [M, 2 I] (gate | up) -> silu(gate) * up [M, I], float32 or bf16. `rows_ok(gate_up)`
+    first."""
+    dt = gate_up.dtype
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or dt not in (torch.float32, torch.bfloat16) \
+            or not _fits_as(gate_up, dt):
+        raise ValueError(f"native silu_mul: gate_up {dt} {tuple(gate_up.shape)}")
     m, n = gate_up.shape
-    out = torch.empty(m, n // 2, dtype=torch.float32)
-    _lib.dkv_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, n // 2)
+    out = torch.empty(m, n // 2, dtype=dt)
+    if dt == torch.bfloat16:
+        _lib.dkv_bf16_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, n // 2,
+                               torch.get_num_threads())
+    else:
+        _lib.dkv_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, n // 2)
     return out

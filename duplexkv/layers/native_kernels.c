@@ -14,6 +14,9 @@
  *
  * Both run their work on the thread pool of native_pool.h; the element-wise kernels at the end
  * (RMSNorm, RoPE, SiLU for a decode step's few rows) run on the calling thread.
+ *
+ * Included: native_amx.h (the bf16 linear on AMX tiles, every row count) and native_bf16.h (bf16
+ * element-wise kernels, every row count).
  */
 #include <float.h>
 #include <math.h>
@@ -22,6 +25,7 @@
 #include <string.h>
 
 #include "native_pool.h"
+#include "native_amx.h"
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
@@ -53,7 +57,7 @@ static inline void store_row(float *y, int64_t rows, v8 a0, v8 a1, v8 a2, v8 a3)
     if (rows > 3) y[3] = hsum8(a3);
 }
 
-int dkv_abi(void) { return 1; }
+int dkv_abi(void) { return 2; }
 
 struct linear_job {
     const float *x, *w;
@@ -325,3 +329,5 @@ void dkv_silu_mul(const float *gu, float *out, int64_t M, int64_t I) {
         for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+#include "native_bf16.h"

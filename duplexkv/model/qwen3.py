@@ -25,7 +25,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """RMSNorm(x); with `residual`, (RMSNorm(x + residual), x + residual) (the residual
-        stream; a decode step's few float32 rows do both in one native call, in place)."""
+        stream; a decode step's few float32 rows and bf16 rows of any count do both in one native
+        call, in place)."""
         if native.rows_ok(x):
             out = native.add_rmsnorm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, residual)
@@ -98,7 +99,7 @@ class Attention(nn.Module):
 
     def _norm_rope(self, qkv, cos, sin):
         """q [T, H, D] and k [T, KVH, D] of qkv, each head normalised (qk_norm) and rotated."""
-        if native.rows_ok(qkv):  # a decode step: both in one call
+        if native.rows_ok(qkv):  # float32 decode rows, bf16 rows: both in one call
             return native.qk_norm_rope(qkv, self.qk_norm_weight if self.qk_norm else None, cos,
                                        sin, self.num_heads, self.num_kv, self.head_dim,
                                        self.q_norm.eps if self.qk_norm else 0.0)
@@ -177,6 +178,12 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def pack_linears(self) -> int:
+        """Pack every projection for the AMX kernel where it runs (`Linear.pack`; call after
+        loading the weights). A tied LM head keeps the embedding's weight. Returns how many."""
+        return sum(m.pack(keep_weight=m.weight is self.embed_tokens.weight)
+                   for m in self.modules() if isinstance(m, Linear))
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,51 @@
+"""Python side of native_amx.h: the bf16 linear on AMX tiles (one kernel for every row count).
+
+Built with the other native kernels (native.py); `available()` says whether this CPU has AMX and
+Linux lent the process its tile state. Weights are packed once (`pack`), then every product of
+any number of rows runs `linear` on the kernels' own threads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from duplexkv.layers import native
+
+K_MULTIPLE = 32  # native_amx.h: K a multiple of this
+_amx: bool | None = None
+
+
+def available() -> bool:
+    """Whether the AMX bf16 linear runs here: built with AMX (the CPU has amx_tile, amx_bf16 and
+    avx512_bf16) and Linux lent this process the tile state."""
+    global _amx
+    if _amx is None:
+        _amx = native.available() and native.library().dkv_amx_init() == 1
+    return _amx
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 -> the AMX tiles' layout (native_amx.h), N padded to 32."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or not weight.is_contiguous() or k % K_MULTIPLE:
+        raise ValueError(f"AMX pack: weight {weight.dtype} {tuple(weight.shape)}")
+    out = torch.empty((n + 31) // 32 * 32 * k, dtype=torch.bfloat16)
+    native.library().dkv_amx_pack(weight.data_ptr(), out.data_ptr(), n, k)
+    return out
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 . W^T (+ bias) -> [M, n] bf16, W packed by `pack`; the same bits for a
+    row whatever M (native_amx.h)."""
+    m, k = x.shape
+    if (x.dtype != torch.bfloat16 or not x.is_contiguous() or k % K_MULTIPLE
+            or packed.numel() != (n + 31) // 32 * 32 * k
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)))):
+        raise ValueError(f"AMX linear: x {x.dtype} {tuple(x.shape)} for {n} columns")
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    if m and native.library().dkv_amx_linear(x.data_ptr(), packed.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), y.data_ptr(), m, n,
+                                 k, torch.get_num_threads()) != 0:
+        raise MemoryError("AMX linear: no memory for a padding buffer")
+    return y

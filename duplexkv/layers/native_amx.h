@@ -1,0 +1,159 @@
+/* bf16 linear on AMX tiles: y[M, N] = x[M, K] . w[N, K]^T (+ bias), one kernel for every M.
+ *
+ * Why: a bf16 decode step's products went to oneDNN through torch, on OpenMP threads that sleep
+ * between parallel regions (OMP_WAIT_POLICY=PASSIVE, native_pool.h), and a decode-only kernel of
+ * our own would round differently from the prefill's GEMM, so the KV a decoder computes for its
+ * answer would differ from the KV a prefill of the same tokens gives (reuse would change answers,
+ * docs/engine.md). This kernel runs on the native pool for every row count, prefill chunks and
+ * decode steps alike, and adds each output's terms in one order whatever M, the row's place in
+ * x, the split into tasks or the thread count: out[m, n] accumulates, for k-blocks of 32 in
+ * order, one TDPBF16PS of row m against column n's packed block (the instruction treats each row
+ * of its A tile alone), then adds the bias in float32 and rounds once to bf16 (nearest-even).
+ *
+ * The weight is packed once (dkv_amx_pack) into the tiles' VNNI layout, 16 output columns by 32
+ * k per 1 KiB block, columns padded with zeros to a multiple of 32: [N32 / 16][K / 32][16 k-pairs]
+ * [16 columns][2]. K must be a multiple of 32 (native.py checks). Rows of x are read in place
+ * except a task's last rows past M, which are copied into a zero-padded buffer.
+ *
+ * A task is 32 rows (or 16, the last) by up to 256 columns; tasks run column range outer and rows
+ * inner, so a range's packed weight (K x 256 x 2 bytes) stays in L2 while the rows stream through,
+ * and a task's rows (32 x K) stay in L1 across its column pairs.
+ */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#define DKV_AMX 1
+#define AMX_NR 8 /* column pairs (32 columns each) per task */
+
+int dkv_amx_init(void) { /* Linux only lends the tile state to a process that asks */
+    static int ready = -1;
+    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                   18 /* XFEATURE_XTILEDATA */) == 0;
+    return ready;
+}
+
+void dkv_amx_pack(const uint16_t *w, uint16_t *out, int64_t N, int64_t K) {
+    const int64_t nblocks = (N + 31) / 32 * 2, kblocks = K / 32;
+    for (int64_t nb = 0; nb < nblocks; nb++)
+        for (int64_t kb = 0; kb < kblocks; kb++) {
+            uint16_t *o = out + (nb * kblocks + kb) * 512;
+            for (int r = 0; r < 16; r++)
+                for (int n = 0; n < 16; n++) {
+                    const int64_t col = nb * 16 + n;
+                    for (int j = 0; j < 2; j++)
+                        o[r * 32 + n * 2 + j] = col < N ? w[col * K + kb * 32 + 2 * r + j] : 0;
+                }
+        }
+}
+
+struct amx_cfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+struct amx_job {
+    const uint16_t *x, *wp;
+    const float *bias;
+    uint16_t *y;
+    int64_t M, N, K, mtasks, ctasks;
+    _Atomic int failed; /* a thread had no padding buffer */
+};
+
+static __thread uint16_t *amx_pad; /* a thread's zero-padded copy of a task's last rows */
+static __thread int64_t amx_pad_k;
+
+/* rows [m0, m0 + 16 * mt) of x (mt = 1 or 2) against column pairs [p0, p1) */
+static void amx_task(const struct amx_job *j, int64_t m0, int mt, int64_t p0, int64_t p1) {
+    const int64_t K = j->K, kblocks = K / 32, rows = j->M - m0 < 16 * mt ? j->M - m0 : 16 * mt;
+    const uint16_t *a = j->x + m0 * K;
+    if (rows < 16 * mt) { /* a tile load reads 16 rows: copy the last ones, zeros after them */
+        if (!amx_pad) {
+            atomic_store(&((struct amx_job *)j)->failed, 1);
+            return;
+        }
+        memset(amx_pad, 0, (size_t)(32 * K) * sizeof(uint16_t));
+        memcpy(amx_pad, a, (size_t)(rows * K) * sizeof(uint16_t));
+        a = amx_pad;
+    }
+    float c[32][32] __attribute__((aligned(64)));
+    for (int64_t p = p0; p < p1; p++) {
+        const uint16_t *b0 = j->wp + (2 * p) * kblocks * 512, *b1 = b0 + kblocks * 512;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < kblocks; kb++) {
+            _tile_loadd(4, a + kb * 32, K * 2);
+            _tile_loadd(6, b0 + kb * 512, 64);
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (mt == 2) {
+                _tile_loadd(5, a + 16 * K + kb * 32, K * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, &c[0][0], 128);
+        _tile_stored(1, &c[0][16], 128);
+        if (mt == 2) {
+            _tile_stored(2, &c[16][0], 128);
+            _tile_stored(3, &c[16][16], 128);
+        }
+        const int64_t n0 = p * 32, cols = j->N - n0 < 32 ? j->N - n0 : 32;
+        const __mmask32 keep = cols == 32 ? 0xffffffffu : (1u << cols) - 1;
+        __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
+        if (j->bias) {
+            b_lo = _mm512_maskz_loadu_ps((__mmask16)keep, j->bias + n0);
+            b_hi = _mm512_maskz_loadu_ps((__mmask16)(keep >> 16), j->bias + n0 + 16);
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const __m512 lo = _mm512_add_ps(_mm512_load_ps(&c[r][0]), b_lo);
+            const __m512 hi = _mm512_add_ps(_mm512_load_ps(&c[r][16]), b_hi);
+            const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
+            _mm512_mask_storeu_epi16(j->y + (m0 + r) * j->N + n0, keep, (__m512i)v);
+        }
+    }
+}
+
+static void amx_tasks(void *ctx, int64_t t0, int64_t t1) {
+    const struct amx_job *j = ctx;
+    struct amx_cfg cfg = {.palette = 1};
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    if (amx_pad_k < j->K) {
+        free(amx_pad);
+        amx_pad = aligned_alloc(64, (size_t)(32 * j->K) * sizeof(uint16_t));
+        amx_pad_k = amx_pad ? j->K : 0;
+    }
+    const int64_t pairs = (j->N + 31) / 32;
+    for (int64_t t = t0; t < t1; t++) { /* column range outer, rows inner */
+        const int64_t range = t / j->mtasks, mb = t % j->mtasks, m0 = mb * 32;
+        const int64_t p0 = range * AMX_NR, p1 = p0 + AMX_NR < pairs ? p0 + AMX_NR : pairs;
+        amx_task(j, m0, j->M - m0 > 16 ? 2 : 1, p0, p1);
+    }
+    _tile_release();
+}
+
+/* 0, or -1 when a thread could not get its padding buffer (nothing written is then valid) */
+int dkv_amx_linear(const uint16_t *x, const uint16_t *wp, const float *bias, uint16_t *y,
+                   int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (!dkv_amx_init() || K % 32 || K <= 0 || M <= 0 || N <= 0) return -1;
+    const int64_t mtasks = (M + 31) / 32, ctasks = ((N + 31) / 32 + AMX_NR - 1) / AMX_NR;
+    struct amx_job job = {x, wp, bias, y, M, N, K, mtasks, ctasks, 0};
+    const int64_t count = mtasks * ctasks;
+    pool_run(amx_tasks, &job, count, count / (4 * (nthreads > 0 ? nthreads : 1)), nthreads);
+    return atomic_load(&job.failed) ? -1 : 0;
+}
+#else
+int dkv_amx_init(void) { return 0; }
+void dkv_amx_pack(const uint16_t *w, uint16_t *out, int64_t N, int64_t K) {
+    (void)w, (void)out, (void)N, (void)K;
+}
+int dkv_amx_linear(const uint16_t *x, const uint16_t *wp, const float *bias, uint16_t *y,
+                   int64_t M, int64_t N, int64_t K, int nthreads) {
+    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads;
+    return -1;
+}
+#endif

@@ -1,0 +1,159 @@
+/* bf16 element-wise kernels of a layer (RMSNorm with the residual add, q/k norm + RoPE, SiLU * up)
+ * for any number of rows: a prefill chunk's rows on the pool's threads, a decode step's few rows
+ * on the caller's.
+ *
+ * Why: in bf16, PyTorch runs each of these as several passes over the rows, converting bf16 to
+ * float32 and back each time, on OpenMP threads that sleep between regions; the element-wise work
+ * was ~40 % of a 2k-token prefill of the bench model (AMX Xeon, 2 cores). Here each row is read
+ * once and written once.
+ *
+ * Numerics: float32 arithmetic on bf16 inputs, rounded to bf16 (nearest-even) where PyTorch's
+ * bf16 ops round (so results stay close to HF's bf16 model): the residual sum; RMSNorm's output
+ * (one rounding with the weight, as F.rms_norm; q/k heads: once without the weight, once after it);
+ * RoPE's products and their sum; SiLU's output and its product with up. A row's result depends on
+ * that row alone, whatever M or the thread count (each row is computed whole by one thread in one
+ * order), as reuse requires.
+ */
+
+static inline float bf_load(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf_round(float f) { /* nearest-even; a NaN stays a (quiet) NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf(float f) { return bf_load(bf_round(f)); }
+
+#define BF_MAX_N 32768 /* row width the kernels take (native.py checks) */
+
+static inline float bf_rms_scale(const float *x, int64_t n, float eps) {
+    v8 acc = {0};
+    for (int64_t i = 0; i < n; i += 8) {
+        const v8 a = load8(x + i);
+        acc += a * a;
+    }
+    return 1.0f / sqrtf(hsum8(acc) / (float)n + eps);
+}
+
+static inline int64_t bf_grain(int64_t width) { /* rows per grain: ~16k elements */
+    return width >= 16384 ? 1 : 16384 / width;
+}
+
+struct bf_norm_job {
+    uint16_t *x;
+    const uint16_t *res, *w;
+    uint16_t *out;
+    int64_t N;
+    float eps;
+};
+
+static void bf_norm_rows(void *ctx, int64_t m0, int64_t m1) {
+    const struct bf_norm_job *j = ctx;
+    const int64_t N = j->N;
+    float s[BF_MAX_N] __attribute__((aligned(32)));
+    for (int64_t m = m0; m < m1; m++) {
+        uint16_t *x = j->x + m * N, *o = j->out + m * N;
+        const uint16_t *r = j->res ? j->res + m * N : NULL;
+        if (r) {
+#pragma omp simd
+            for (int64_t i = 0; i < N; i++) {
+                const uint16_t h = bf_round(bf_load(x[i]) + bf_load(r[i]));
+                x[i] = h;
+                s[i] = bf_load(h);
+            }
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < N; i++) s[i] = bf_load(x[i]);
+        }
+        const float scale = bf_rms_scale(s, N, j->eps);
+#pragma omp simd
+        for (int64_t i = 0; i < N; i++) o[i] = bf_round(s[i] * scale * bf_load(j->w[i]));
+    }
+}
+
+/* x [M, N], res [M, N] or NULL, w [N], all bf16: with res, x = bf16(x + res) first (the new
+ * residual stream, written back to x); then out = bf16(x * rsqrt(mean(x^2) + eps) * w).
+ * N % 16 == 0, N <= BF_MAX_N. */
+void dkv_bf16_add_rmsnorm(uint16_t *x, const uint16_t *res, const uint16_t *w, uint16_t *out,
+                          int64_t M, int64_t N, float eps, int nthreads) {
+    struct bf_norm_job job = {x, res, w, out, N, eps};
+    pool_run(bf_norm_rows, &job, M, bf_grain(N), nthreads);
+}
+
+struct bf_rope_job {
+    const uint16_t *qkv, *wqk, *cos, *sin;
+    uint16_t *q, *k;
+    int64_t ld, H, KVH, D;
+    float eps;
+};
+
+static void bf_rope_rows(void *ctx, int64_t m0, int64_t m1) {
+    const struct bf_rope_job *j = ctx;
+    const int64_t H = j->H, KVH = j->KVH, D = j->D, half = D / 2;
+    float t[MAX_D] __attribute__((aligned(32)));
+    float c[MAX_D / 2], s[MAX_D / 2];
+    for (int64_t m = m0; m < m1; m++) {
+        for (int64_t i = 0; i < half; i++)
+            c[i] = bf_load(j->cos[m * half + i]), s[i] = bf_load(j->sin[m * half + i]);
+        for (int64_t h = 0; h < H + KVH; h++) {
+            const uint16_t *x = j->qkv + m * j->ld + h * D;
+            uint16_t *o = h < H ? j->q + (m * H + h) * D : j->k + (m * KVH + h - H) * D;
+#pragma omp simd
+            for (int64_t i = 0; i < D; i++) t[i] = bf_load(x[i]);
+            if (j->wqk) {
+                const float r = bf_rms_scale(t, D, j->eps);
+                const uint16_t *w = j->wqk + h * D;
+#pragma omp simd
+                for (int64_t i = 0; i < D; i++) t[i] = bf(bf(t[i] * r) * bf_load(w[i]));
+            }
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = t[i], x2 = t[half + i];
+                o[i] = bf_round(bf(x1 * c[i]) - bf(x2 * s[i]));
+                o[half + i] = bf_round(bf(x2 * c[i]) + bf(x1 * s[i]));
+            }
+        }
+    }
+}
+
+/* dkv_qk_norm_rope's layout and work (native_kernels.c) in bf16: q/k heads of qkv normalised
+ * (wqk [H + KVH, D] or NULL) and rotated by the row's bf16 tables cos/sin [M, D / 2]. */
+void dkv_bf16_qk_norm_rope(const uint16_t *qkv, int64_t ld, const uint16_t *wqk,
+                           const uint16_t *cos, const uint16_t *sin, uint16_t *q, uint16_t *k,
+                           int64_t M, int64_t H, int64_t KVH, int64_t D, float eps, int nthreads) {
+    struct bf_rope_job job = {qkv, wqk, cos, sin, q, k, ld, H, KVH, D, eps};
+    pool_run(bf_rope_rows, &job, M, bf_grain((H + KVH) * D), nthreads);
+}
+
+struct bf_silu_job {
+    const uint16_t *gu;
+    uint16_t *out;
+    int64_t I;
+};
+
+static void bf_silu_rows(void *ctx, int64_t m0, int64_t m1) {
+    const struct bf_silu_job *j = ctx;
+    const int64_t I = j->I;
+    for (int64_t m = m0; m < m1; m++) {
+        const uint16_t *g = j->gu + m * 2 * I, *u = g + I;
+        uint16_t *o = j->out + m * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) {
+            const float x = bf_load(g[i]);
+            o[i] = bf_round(bf(x / (1.0f + expf(-x))) * bf_load(u[i]));
+        }
+    }
+}
+
+/* gu [M, 2 * I] bf16 (gate | up) -> out [M, I] = bf16(bf16(silu(gate)) * up) */
+void dkv_bf16_silu_mul(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I, int nthreads) {
+    struct bf_silu_job job = {gu, out, I};
+    pool_run(bf_silu_rows, &job, M, bf_grain(2 * I), nthreads);
+}

@@ -1,0 +1,142 @@
+"""The AMX bf16 linear (native_amx.h): exact sums rounded once, and a row's bits independent of
+how many rows share the product, where they sit, and how many threads run it.
+
+Runs where the CPU has AMX (amx_tile, amx_bf16); elsewhere every test but the last skips and the
+engine keeps its oneDNN/BLAS paths (tests/test_linear.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from duplexkv.layers import amx
+from duplexkv.layers.linear import Linear
+
+
+def _cpu_has_amx() -> bool:
+    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("flags")), "").split()
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+
+
+needs_amx = pytest.mark.skipif(not _cpu_has_amx(), reason="this CPU has no AMX bf16")
+
+
+@needs_amx
+def test_the_amx_kernel_runs_where_the_cpu_has_it():
+    assert amx.available(), "AMX kernel not built or tile state refused (see the log)"
+
+
+def _case(m, n, k, seed, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    return x, w, b
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(768, 512), (40, 32), (4096, 64), (64, 192), (100, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_each_output_is_the_exact_sum_rounded_once(n, k, bias):
+    x, w, b = _case(37, n, k, n + k, bias)
+    y = amx.linear(x, amx.pack(w), n, b)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    # float32 accumulation of bf16 products, one bf16 rounding: within 1 bf16 ulp of the exact
+    tol = exact.abs() * 2 ** -7 + 1e-6 * k
+    assert y.shape == (37, n) and y.dtype == torch.bfloat16
+    assert bool(((y.double() - exact).abs() <= tol).all())
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(768, 512), (3072, 512), (512, 1536), (4096, 4096), (72, 64)])
+def test_a_rows_bits_do_not_depend_on_the_batch_its_place_or_the_threads(n, k):
+    # oneDNN's own bf16 linear differs here for K = 4096 at M <= 128 (it splits K for few rows)
+    x, w, _ = _case(2100, n, k, 7)
+    packed = amx.pack(w)
+    whole = amx.linear(x, packed, n)
+    for m in (1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 129, 511, 1024):
+        assert torch.equal(amx.linear(x[:m].contiguous(), packed, n), whole[:m]), m
+        assert torch.equal(amx.linear(x[-m:].contiguous(), packed, n), whole[-m:]), m
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = amx.linear(x, packed, n)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, whole)
+
+
+@needs_amx
+def test_a_packed_linear_module_matches_f_linear_and_releases_its_weight():
+    x, w, b = _case(9, 200, 128, 3, bias=True)
+    layer = Linear(128, 200, bias=True).bfloat16()
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(b.bfloat16())
+    want = F.linear(x.float(), w.float(), b.bfloat16().float())
+    assert layer.pack()
+    assert layer.weight.numel() == 0  # the packed copy is the only one
+    got = layer(x.view(3, 3, 128))  # leading dims are flattened and restored
+    assert got.shape == (3, 3, 200)
+    torch.testing.assert_close(got.view(9, 200).float(), want, rtol=2 ** -7, atol=1e-2)
+
+
+def test_what_the_kernel_cannot_take_stays_on_the_other_paths():
+    layer = Linear(48, 16, bias=False).bfloat16()  # in_features not a multiple of 32
+    assert not layer.pack()
+    assert not Linear(64, 16, bias=False).pack()  # float32 weights
+    if amx.available():
+        packed = amx.pack(torch.zeros(16, 64, dtype=torch.bfloat16))
+        with pytest.raises(ValueError):
+            amx.linear(torch.zeros(2, 64), packed, 16)  # float32 rows
+        with pytest.raises(ValueError):
+            amx.linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 40)
+
+
+@needs_amx
+def test_bench_model_bf16_reuse_gives_whole_prompt_tokens_and_kv(tmp_path_factory):
+    """The bench model's projections (K = 512 and 1,536) were not row-invariant through oneDNN
+    (another blocking above ~64 rows), so a reused history rounded differently from a whole
+    prefill: 7 of 32 turns gave other tokens (4 conversations x 4 turns x 2 chunkings). With every
+    product on the AMX kernel, multi-turn reuse (prefix cache, 4096- and 100-token chunks) gives
+    the tokens and the KV of one whole prefill of each prompt."""
+    import random
+
+    from duplexkv import LLM, SamplingParams
+    from duplexkv.model.synth import make_model
+
+    bench = str(make_model(tmp_path_factory.mktemp("models") / "bench", "bench", seed=0))
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    whole = LLM(bench, dtype="bfloat16", enable_prefix_caching=False, num_kv_blocks=256)
+    reusing = {chunk: LLM(bench, dtype="bfloat16", num_kv_blocks=512,
+                          max_num_batched_tokens=chunk) for chunk in (4096, 100)}
+    once = LLM(bench, dtype="bfloat16", num_kv_blocks=256)
+    rng = random.Random(1)
+    differ, kv_differ, hits = [], [], 0
+    for c in range(3):
+        hist = {chunk: [] for chunk in reusing}
+        for turn in range(3):
+            message = [rng.randrange(10, 32000) for _ in range(rng.randrange(60, 400))]
+            for chunk, llm in reusing.items():
+                prompt = hist[chunk] + message
+                got = llm.generate([prompt], sp)[0]
+                if got.token_ids != whole.generate([prompt], sp)[0].token_ids:
+                    differ.append((c, turn, chunk))
+                hits += got.kv_stats.local_hit_tokens
+                hist[chunk] = prompt + list(got.token_ids)
+        final = hist[4096][:-1]
+        once.generate([final], SamplingParams(max_tokens=1, temperature=0))
+        ref = once.engine.bm.match_prefix(final)
+        for chunk, llm in reusing.items():
+            mine = llm.engine.bm.match_prefix(final)
+            n = min(len(ref), len(mine))
+            if n < 20 or not torch.equal(llm.engine.runner.pool[mine[:n]],
+                                         once.engine.runner.pool[ref[:n]]):
+                kv_differ.append((c, chunk))
+    assert hits > 3000
+    assert not differ, f"(conversation, turn, chunk) with other tokens: {differ}"
+    assert not kv_differ, f"(conversation, chunk) whose KV differs: {kv_differ}"
