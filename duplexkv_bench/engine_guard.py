@@ -6,10 +6,12 @@ samples after a warm-up. `--json FILE` writes the rows with what they were measu
 model and flags, dtype, torch version, threads, load average); `--compare FILE` prints each
 row's ratio against such a file and flags rows slower by more than `--tolerance` (exit code 1);
 with `--rows FILE2` it compares two files without measuring.
-The committed baseline is docs/results/engine-guard-float32.json. Compare a change in one session
-on one machine, alternating: run it on main, on the change, on main again (see docs/engine.md).
+Committed baselines, one per CPU kind and dtype: docs/results/engine-guard-KIND-DTYPE.json, KIND
+`amx` (AMX tiles), `avx512` (AVX-512 without AMX), `avx2` or `other` (`cpu_kind`); `--compare
+baseline` picks the one for this CPU and `--dtype`. Compare a change in one session on one machine,
+alternating: run it on main, on the change, on main again (see docs/engine.md).
 
-    duplexkv bench engine_guard [--json out.json] [--compare docs/results/engine-guard-float32.json]
+    duplexkv bench engine_guard [--json out.json] [--compare baseline|FILE]
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from duplexkv.engine.dtype import cpu_bf16_status, read_cpu_flags
 from duplexkv.flags import Accumulate
 from duplexkv_bench.engine_vs_hf import ours_decode, ours_prefill
 
-BASELINE = "docs/results/engine-guard-float32.json"
+BASELINES = Path(__file__).resolve().parent.parent / "docs" / "results"
 # the flags that decide which kernels PyTorch runs on x86 (and so what a timing means)
 KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
@@ -44,6 +46,22 @@ def machine(dtype: str) -> dict:
             "bf16": cpu_bf16_status(flags), "dtype": dtype, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "load_average": _loadavg(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "")}
+
+
+def cpu_kind(flags: frozenset[str]) -> str:
+    """The CPU kind a baseline belongs to: what decides which kernels run (AMX tiles for bf16,
+    AVX-512, AVX2)."""
+    if {"amx_tile", "amx_bf16"} <= flags:
+        return "amx"
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if "avx2" in flags else "other"
+
+
+def baseline_path(dtype: str, flags: frozenset[str] | None = None) -> Path:
+    """The committed baseline for this CPU kind and dtype (it may not exist yet)."""
+    flags = (read_cpu_flags() or frozenset()) if flags is None else flags
+    return BASELINES / f"engine-guard-{cpu_kind(flags)}-{dtype}.json"
 
 
 def _cpuinfo() -> str:
@@ -126,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", help="write the rows and the machine here")
-    ap.add_argument("--compare", metavar="FILE", help=f"a result file to compare with (e.g. "
-                                                      f"{BASELINE})")
+    ap.add_argument("--compare", metavar="FILE",
+                    help="a result file to compare with, or `baseline`: the committed one for "
+                         "this CPU kind and --dtype (docs/results/engine-guard-KIND-DTYPE.json)")
     ap.add_argument("--rows", metavar="FILE",
                     help="compare this result file's rows instead of measuring (with --compare)")
     ap.add_argument("--tolerance", type=float, default=0.10,
@@ -135,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if min([*args.prefill, args.decode_context, args.decode_steps, args.reps]) < 1:
         ap.error("lengths, steps and reps must be >= 1")
+    if args.compare == "baseline":
+        path = baseline_path(args.dtype)
+        if not path.is_file():
+            ap.error(f"no committed baseline for this CPU kind and dtype ({path.name}); make one "
+                     f"on a quiet machine: OMP_WAIT_POLICY=PASSIVE duplexkv bench engine_guard "
+                     f"--dtype {args.dtype} --json {path}")
+        args.compare = str(path)
     if args.rows:
         if not args.compare:
             ap.error("--rows goes with --compare")

@@ -43,3 +43,36 @@ def test_engine_guard_writes_rows_and_compares(tiny_model_dir: Path, tmp_path: P
     fast.write_text(json.dumps(base))
     assert main(["bench", "engine_guard", "--models", str(tiny_model_dir), *TINY,
                  "--compare", str(fast)]) == 0  # measuring, then comparing
+
+
+def test_each_cpu_kind_and_dtype_has_its_own_baseline() -> None:
+    from duplexkv_bench.engine_guard import baseline_path, cpu_kind
+
+    amx = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+    assert cpu_kind(amx) == "amx"
+    assert cpu_kind(frozenset({"avx2", "avx512f", "avx512_bf16"})) == "avx512"
+    assert cpu_kind(frozenset({"avx2", "fma"})) == "avx2"
+    assert cpu_kind(frozenset({"asimd"})) == "other"
+    assert baseline_path("bfloat16", amx).name == "engine-guard-amx-bfloat16.json"
+    committed = {p.name for p in baseline_path("float32", amx).parent.glob("engine-guard-*.json")}
+    # the kinds sessions have measured so far; each file records the machine it came from
+    assert {"engine-guard-avx2-float32.json", "engine-guard-amx-float32.json",
+            "engine-guard-amx-bfloat16.json"} <= committed
+    for name in committed:
+        kind, dtype = name.removeprefix("engine-guard-").removesuffix(".json").split("-")
+        meta = json.loads((baseline_path("float32").parent / name).read_text())["machine"]
+        assert meta["dtype"] == dtype and cpu_kind(frozenset(meta["kernel_flags"])) == kind, name
+
+
+def test_compare_baseline_without_one_names_the_command_that_makes_it(tmp_path, capsys,
+                                                                        monkeypatch) -> None:
+    import pytest
+
+    from duplexkv_bench import engine_guard
+
+    monkeypatch.setattr(engine_guard, "BASELINES", tmp_path)
+    with pytest.raises(SystemExit) as e:
+        engine_guard.main(["--compare", "baseline", "--dtype", "float16"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "no committed baseline" in err and "--dtype float16 --json" in err
