@@ -128,6 +128,17 @@ def busy_fraction(seconds: float = 3.0) -> float:
     return 1.0 - (i1 - i0) / max(1, t1 - t0)
 
 
+def settle(busy_below: float = 0.1, window: float = 0.1, limit: float = 3.0) -> float:
+    """Wait until the machine's CPU is idle (busy under `busy_below` over a `window`), at most
+    `limit` seconds; returns the seconds waited. A server that keeps polling after its request
+    (vLLM's engine core spins ~1 s after a step) would otherwise share the cores with the next
+    server's timed request."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit and busy_fraction(window) >= busy_below:
+        pass
+    return time.monotonic() - start
+
+
 def cpu_line() -> str:
     flags = read_cpu_flags() or frozenset()
     simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]

@@ -16,6 +16,9 @@ The same prompts of random token ids go to both, streamed through /v1/completion
 `--interleave` starts both servers and sends every prompt (or batch) to each in turn, the order
 alternating per rep, instead of measuring one server after the other: on a machine whose speed
 drifts by tens of percent over minutes (a shared VM) only then do both sides see the same minutes.
+Before each timed request the machine must be idle (under 10 % busy over 0.1 s, waited for up to
+3 s): vLLM's engine core keeps polling for ~1 s after a step, and the request sent right after one
+of vLLM's shared the cores with it (ours, in every rep 1 and in half of the others).
 
 Beside every row, each side's share of the machine's limit, measured in the same run before the
 servers start (machine_limits.py): prefill's useful FLOPs per second over the GEMM rate in the
@@ -44,7 +47,7 @@ from duplexkv.flags import Accumulate
 from duplexkv.launch import spawn, wait_ready, worker_args
 from duplexkv.model.registry import resolve_model
 from duplexkv_bench import vllm_venv
-from duplexkv_bench.machine_limits import Limits, Shape, busy_fraction, cpu_line, loadavg
+from duplexkv_bench.machine_limits import Limits, Shape, busy_fraction, cpu_line, loadavg, settle
 from duplexkv_bench.machine_limits import measure as measure_limits
 
 TARGETS = {"ttft": 0.9, "tpot": 0.8}  # issue 18: ours / vLLM at most this
@@ -128,6 +131,8 @@ def measure(urls: dict[str, str], args: argparse.Namespace, prompts: dict
             got: dict[str, list[float]] = {n: [] for n in names}
             for i, rep in enumerate(reps):
                 for n in names if i % 2 == 0 else names[::-1]:
+                    if len(names) > 1:  # the other server's after-request polling ends first
+                        settle()
                     got[n].append(run(clients[n], n, rep))
             for n in names:
                 out[n][key] = min(got[n])
