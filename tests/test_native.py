@@ -120,7 +120,7 @@ def test_silu_mul_matches_torch():
 
 
 def test_elementwise_kernels_refuse_what_does_not_fit():
-    assert not native.rows_ok(torch.randn(17, 64))  # more rows than a decode step's
+    assert native.rows_ok(torch.randn(300, 64))  # float32: any number of rows too
     assert not native.rows_ok(torch.randn(2, 40))  # not a multiple of 16
     assert not native.rows_ok(torch.randn(2, 64).half())
     assert native.rows_ok(torch.randn(300, 64).bfloat16())  # bf16: any number of rows
@@ -143,6 +143,40 @@ def test_elementwise_kernels_refuse_what_does_not_fit():
         native.qk_norm_rope(torch.randn(2, 96), None, cos, sin, 2, 1, 32, 1e-6)
     with pytest.raises(ValueError):  # tables of the wrong width
         native.qk_norm_rope(torch.randn(2, 128), None, cos[:, :8], sin, 2, 1, 32, 1e-6)
+
+
+def test_float32_elementwise_kernels_take_a_prefill_chunks_rows():
+    """float32 rows of any count (a prefill chunk's, on the pool's threads): the model's PyTorch
+    results to float32 rounding, and a row's bits whatever rows share the call."""
+    from duplexkv.model.qwen3 import Rotary, apply_rope
+
+    g = torch.Generator().manual_seed(5)
+    m, hidden, heads, kv_heads, d, inter = 700, 512, 8, 2, 64, 384
+    x, res = torch.randn(m, hidden, generator=g), torch.randn(m, hidden, generator=g)
+    w = torch.rand(hidden, generator=g) + 0.5
+    assert native.rows_ok(x)
+    stream = res.clone()
+    out = native.add_rmsnorm(x, stream, w, 1e-6)
+    torch.testing.assert_close(stream, x + res)
+    torch.testing.assert_close(out, F.rms_norm(x + res, (hidden,), w, 1e-6), rtol=1e-5, atol=1e-5)
+    gu = torch.randn(m, 2 * inter, generator=g) * 4
+    act = native.silu_mul(gu)
+    torch.testing.assert_close(act, F.silu(gu[:, :inter]) * gu[:, inter:], rtol=1e-5, atol=1e-6)
+    qkv = torch.randn(m, (heads + 2 * kv_heads) * d, generator=g)
+    wqk = torch.rand(heads + kv_heads, d, generator=g) + 0.5
+    cos, sin = Rotary(d, 1e6, 32768)(torch.randint(0, 32000, (m,), generator=g), torch.float32)
+    q, k = native.qk_norm_rope(qkv, wqk, cos, sin, heads, kv_heads, d, 1e-6)
+    qk = qkv[:, : (heads + kv_heads) * d].view(m, heads + kv_heads, d)
+    want = apply_rope(F.rms_norm(qk, (d,), None, 1e-6) * wqk, cos, sin)
+    torch.testing.assert_close(q, want[:, :heads], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, want[:, heads:], rtol=1e-5, atol=1e-5)
+    for rows in (slice(0, 1), slice(5, 21), slice(33, 600)):
+        assert torch.equal(native.add_rmsnorm(x[rows].contiguous(), res[rows].clone(), w, 1e-6),
+                           out[rows])
+        assert torch.equal(native.silu_mul(gu[rows].contiguous()), act[rows])
+        q2, k2 = native.qk_norm_rope(qkv[rows].contiguous(), wqk, cos[rows], sin[rows], heads,
+                                     kv_heads, d, 1e-6)
+        assert torch.equal(q2, q[rows]) and torch.equal(k2, k[rows])
 
 
 def _bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> int:

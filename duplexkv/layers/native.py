@@ -48,10 +48,9 @@ SOURCES = (SOURCE, SOURCE.with_name("native_pool.h"), SOURCE.with_name("native_a
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
                  "-pthread"]
 LINK_FLAGS = ["-shared", "-pthread"]
-ABI = 2  # dkv_abi() of the source this module binds
+ABI = 3  # dkv_abi() of the source this module binds
 MAX_GROUP = 16  # native_kernels.c MAX_G
 MAX_HEAD_DIM = 512  # native_kernels.c MAX_D
-MAX_ROWS = 16  # the element-wise kernels below run single-threaded: for a decode step's rows
 MAX_BF16_WIDTH = 32768  # native_bf16.h BF_MAX_N
 ENABLED = os.environ.get("DUPLEXKV_NATIVE", "1") != "0"
 
@@ -98,12 +97,13 @@ def _load() -> ctypes.CDLL | None:
     lib.dkv_decode_attn.argtypes = [_f32p, _f32p, _f32p, _f32p, _f32p, _f32p, _f32p, _i64, _i64,
                                     _i64, _i64, ctypes.c_float, ctypes.c_int]
     lib.dkv_decode_attn.restype = ctypes.c_int
-    lib.dkv_add_rmsnorm.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64, _i64, ctypes.c_float]
+    lib.dkv_add_rmsnorm.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64, _i64, ctypes.c_float,
+                                    ctypes.c_int]
     lib.dkv_add_rmsnorm.restype = None
     lib.dkv_qk_norm_rope.argtypes = [_f32p, _i64, _f32p, _f32p, _f32p, _f32p, _f32p, _i64, _i64,
-                                     _i64, _i64, ctypes.c_float]
+                                     _i64, _i64, ctypes.c_float, ctypes.c_int]
     lib.dkv_qk_norm_rope.restype = None
-    lib.dkv_silu_mul.argtypes = [_f32p, _f32p, _i64, _i64]
+    lib.dkv_silu_mul.argtypes = [_f32p, _f32p, _i64, _i64, ctypes.c_int]
     lib.dkv_silu_mul.restype = None
     lib.dkv_bf16_add_rmsnorm.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64, _i64, ctypes.c_float,
                                          ctypes.c_int]
@@ -199,15 +199,15 @@ def attention_ok(q: torch.Tensor, num_kv: int) -> bool:
 
 
 def rows_ok(x: torch.Tensor) -> bool:
-    """Whether the element-wise kernels below take x [M, N], N % 16 == 0, contiguous: float32
-    for a decode step's few rows (M <= MAX_ROWS), bf16 for any M (native_bf16.h; N <=
-    MAX_BF16_WIDTH)."""
+    """Whether the element-wise kernels below take x [M, N]: float32 or bf16 (native_bf16.h; N <=
+    MAX_BF16_WIDTH), contiguous, N % 16 == 0, any number of rows (a decode step's on the calling
+    thread, a prefill chunk's on the pool)."""
     if x.dim() != 2 or x.shape[0] < 1 or x.shape[1] % 16 or x.device.type != "cpu" \
             or not x.is_contiguous():
         return False
     if x.dtype == torch.bfloat16:
         return x.shape[1] <= MAX_BF16_WIDTH and available()
-    return x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and available()
+    return x.dtype == torch.float32 and available()
 
 
 def _fits_as(t: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -231,10 +231,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     src, add = (x, None) if residual is None else (residual, x)
     args = (src.data_ptr(), None if add is None else add.data_ptr(), weight.data_ptr(),
             out.data_ptr(), x.shape[0], x.shape[1], eps)
-    if dt == torch.bfloat16:
-        _lib.dkv_bf16_add_rmsnorm(*args, torch.get_num_threads())
-    else:
-        _lib.dkv_add_rmsnorm(*args)
+    fn = _lib.dkv_bf16_add_rmsnorm if dt == torch.bfloat16 else _lib.dkv_add_rmsnorm
+    fn(*args, torch.get_num_threads())
     return out
 
 
@@ -258,10 +256,8 @@ def qk_norm_rope(qkv: torch.Tensor, norm_weight: torch.Tensor | None, cos: torch
     k = torch.empty(m, kv_heads, d, dtype=dt)
     args = (qkv.data_ptr(), qkv.shape[1], None if norm_weight is None else norm_weight.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), m, heads, kv_heads, d, eps)
-    if dt == torch.bfloat16:
-        _lib.dkv_bf16_qk_norm_rope(*args, torch.get_num_threads())
-    else:
-        _lib.dkv_qk_norm_rope(*args)
+    fn = _lib.dkv_bf16_qk_norm_rope if dt == torch.bfloat16 else _lib.dkv_qk_norm_rope
+    fn(*args, torch.get_num_threads())
     return q, k
 
 
@@ -274,9 +270,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"native silu_mul: gate_up {dt} {tuple(gate_up.shape)}")
     m, n = gate_up.shape
     out = torch.empty(m, n // 2, dtype=dt)
-    if dt == torch.bfloat16:
-        _lib.dkv_bf16_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, n // 2,
-                               torch.get_num_threads())
-    else:
-        _lib.dkv_silu_mul(gate_up.data_ptr(), out.data_ptr(), m, n // 2)
+    fn = _lib.dkv_bf16_silu_mul if dt == torch.bfloat16 else _lib.dkv_silu_mul
+    fn(gate_up.data_ptr(), out.data_ptr(), m, n // 2, torch.get_num_threads())
     return out

@@ -57,7 +57,7 @@ static inline void store_row(float *y, int64_t rows, v8 a0, v8 a1, v8 a2, v8 a3)
     if (rows > 3) y[3] = hsum8(a3);
 }
 
-int dkv_abi(void) { return 2; }
+int dkv_abi(void) { return 3; }
 
 struct linear_job {
     const float *x, *w;
@@ -263,8 +263,9 @@ int dkv_decode_attn(const float *q, float *out, const int64_t *k_base, const int
     return 0;
 }
 
-/* The element-wise work of a decode step's layer, for its few rows (single-threaded: a few
- * thousand floats, where a parallel region would cost more than the work). */
+/* The element-wise work of a layer in float32: a decode step's few rows on the calling thread (a few
+ * thousand floats, where a parallel region would cost more than the work), a prefill chunk's rows
+ * in grains on the pool. A row is computed whole by one thread, the same way whatever M. */
 
 static inline float row_rms_scale(const float *x, int64_t n, float eps) {
     v8 acc = {0};
@@ -275,39 +276,60 @@ static inline float row_rms_scale(const float *x, int64_t n, float eps) {
     return 1.0f / sqrtf(hsum8(acc) / (float)n + eps);
 }
 
-/* x [M, N], res [M, N] or NULL, w [N]: with res, x += res first (the new
- * residual stream, written back to x); then out = x * rsqrt(mean(x^2) + eps) * w. */
-void dkv_add_rmsnorm(float *x, const float *res, const float *w, float *out, int64_t M,
-                     int64_t N, float eps) {
-    for (int64_t m = 0; m < M; m++) {
-        float *xm = x + m * N;
-        if (res)
-            for (int64_t i = 0; i < N; i += 8) *(v8 *)(xm + i) = load8(xm + i) + load8(res + m * N + i);
-        const v8 r = (v8){0} + row_rms_scale(xm, N, eps);
+static inline int64_t f32_grain(int64_t width) { /* rows per grain: ~16k elements */
+    return width >= 16384 ? 1 : 16384 / width;
+}
+
+struct f32_norm_job {
+    float *x;
+    const float *res, *w;
+    float *out;
+    int64_t N;
+    float eps;
+};
+
+static void f32_norm_rows(void *ctx, int64_t m0, int64_t m1) {
+    const struct f32_norm_job *j = ctx;
+    const int64_t N = j->N;
+    for (int64_t m = m0; m < m1; m++) {
+        float *xm = j->x + m * N;
+        if (j->res)
+            for (int64_t i = 0; i < N; i += 8)
+                *(v8 *)(xm + i) = load8(xm + i) + load8(j->res + m * N + i);
+        const v8 r = (v8){0} + row_rms_scale(xm, N, j->eps);
         for (int64_t i = 0; i < N; i += 8)
-            *(v8 *)(out + m * N + i) = load8(xm + i) * r * load8(w + i);
+            *(v8 *)(j->out + m * N + i) = load8(xm + i) * r * load8(j->w + i);
     }
 }
 
-/* Rows of qkv [M, (H + 2 * KVH) * D] (rows ld floats apart): the H query heads and the first KVH
- * key heads are RMS-normalised over D (eps) with per-head weights wqk [H + KVH, D] (NULL: no
- * norm), then rotated by RoPE with the row's half-width tables cos/sin [M, D / 2]
- * (x1 * c - x2 * s | x2 * c + x1 * s), into q [M, H, D] and k [M, KVH, D]. D % 16 == 0,
- * D <= MAX_D. */
-void dkv_qk_norm_rope(const float *qkv, int64_t ld, const float *wqk, const float *cos,
-                      const float *sin, float *q, float *k, int64_t M, int64_t H, int64_t KVH,
-                      int64_t D, float eps) {
-    const int64_t half = D / 2;
+/* x [M, N], res [M, N] or NULL, w [N]: with res, x += res first (the new
+ * residual stream, written back to x); then out = x * rsqrt(mean(x^2) + eps) * w. */
+void dkv_add_rmsnorm(float *x, const float *res, const float *w, float *out, int64_t M,
+                     int64_t N, float eps, int nthreads) {
+    struct f32_norm_job job = {x, res, w, out, N, eps};
+    pool_run(f32_norm_rows, &job, M, f32_grain(N), nthreads);
+}
+
+struct f32_rope_job {
+    const float *qkv, *wqk, *cos, *sin;
+    float *q, *k;
+    int64_t ld, H, KVH, D;
+    float eps;
+};
+
+static void f32_rope_rows(void *ctx, int64_t m0, int64_t m1) {
+    const struct f32_rope_job *j = ctx;
+    const int64_t H = j->H, KVH = j->KVH, D = j->D, half = D / 2;
     float t[MAX_D] __attribute__((aligned(32)));
-    for (int64_t m = 0; m < M; m++) {
-        const float *c = cos + m * half, *s = sin + m * half;
+    for (int64_t m = m0; m < m1; m++) {
+        const float *c = j->cos + m * half, *s = j->sin + m * half;
         for (int64_t h = 0; h < H + KVH; h++) {
-            const float *x = qkv + m * ld + h * D;
-            float *o = h < H ? q + (m * H + h) * D : k + (m * KVH + h - H) * D;
-            if (wqk) {
-                const v8 r = (v8){0} + row_rms_scale(x, D, eps);
+            const float *x = j->qkv + m * j->ld + h * D;
+            float *o = h < H ? j->q + (m * H + h) * D : j->k + (m * KVH + h - H) * D;
+            if (j->wqk) {
+                const v8 r = (v8){0} + row_rms_scale(x, D, j->eps);
                 for (int64_t i = 0; i < D; i += 8)
-                    *(v8 *)(t + i) = load8(x + i) * r * load8(wqk + h * D + i);
+                    *(v8 *)(t + i) = load8(x + i) * r * load8(j->wqk + h * D + i);
                 x = t;
             }
             for (int64_t i = 0; i < half; i += 8) {
@@ -320,14 +342,39 @@ void dkv_qk_norm_rope(const float *qkv, int64_t ld, const float *wqk, const floa
     }
 }
 
-/* gu [M, 2 * I] (gate | up) -> out [M, I] = silu(gate) * up */
-void dkv_silu_mul(const float *gu, float *out, int64_t M, int64_t I) {
-    for (int64_t m = 0; m < M; m++) {
-        const float *g = gu + m * 2 * I, *u = g + I;
-        float *o = out + m * I;
+/* Rows of qkv [M, (H + 2 * KVH) * D] (rows ld floats apart): the H query heads and the first KVH
+ * key heads are RMS-normalised over D (eps) with per-head weights wqk [H + KVH, D] (NULL: no
+ * norm), then rotated by RoPE with the row's half-width tables cos/sin [M, D / 2]
+ * (x1 * c - x2 * s | x2 * c + x1 * s), into q [M, H, D] and k [M, KVH, D]. D % 16 == 0,
+ * D <= MAX_D. */
+void dkv_qk_norm_rope(const float *qkv, int64_t ld, const float *wqk, const float *cos,
+                      const float *sin, float *q, float *k, int64_t M, int64_t H, int64_t KVH,
+                      int64_t D, float eps, int nthreads) {
+    struct f32_rope_job job = {qkv, wqk, cos, sin, q, k, ld, H, KVH, D, eps};
+    pool_run(f32_rope_rows, &job, M, f32_grain((H + KVH) * D), nthreads);
+}
+
+struct f32_silu_job {
+    const float *gu;
+    float *out;
+    int64_t I;
+};
+
+static void f32_silu_rows(void *ctx, int64_t m0, int64_t m1) {
+    const struct f32_silu_job *j = ctx;
+    const int64_t I = j->I;
+    for (int64_t m = m0; m < m1; m++) {
+        const float *g = j->gu + m * 2 * I, *u = g + I;
+        float *o = j->out + m * I;
 #pragma omp simd
         for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
+}
+
+/* gu [M, 2 * I] (gate | up) -> out [M, I] = silu(gate) * up */
+void dkv_silu_mul(const float *gu, float *out, int64_t M, int64_t I, int nthreads) {
+    struct f32_silu_job job = {gu, out, I};
+    pool_run(f32_silu_rows, &job, M, f32_grain(2 * I), nthreads);
 }
 
 #include "native_bf16.h"
