@@ -12,7 +12,7 @@
  * (one rounding with the weight, as F.rms_norm; q/k heads: once without the weight, once after it);
  * RoPE's products and their sum; SiLU's output and its product with up. A row's result depends on
  * that row alone, whatever M or the thread count (each row is computed whole by one thread in one
- * order), as reuse requires.
+ * order), as reuse requires. Shares row_rms_scale and rows_grain with the float32 kernels.
  */
 
 static inline float bf_load(uint16_t h) {
@@ -32,19 +32,6 @@ static inline uint16_t bf_round(float f) { /* nearest-even; a NaN stays a (quiet
 static inline float bf(float f) { return bf_load(bf_round(f)); }
 
 #define BF_MAX_N 32768 /* row width the kernels take (native.py checks) */
-
-static inline float bf_rms_scale(const float *x, int64_t n, float eps) {
-    v8 acc = {0};
-    for (int64_t i = 0; i < n; i += 8) {
-        const v8 a = load8(x + i);
-        acc += a * a;
-    }
-    return 1.0f / sqrtf(hsum8(acc) / (float)n + eps);
-}
-
-static inline int64_t bf_grain(int64_t width) { /* rows per grain: ~16k elements */
-    return width >= 16384 ? 1 : 16384 / width;
-}
 
 struct bf_norm_job {
     uint16_t *x;
@@ -72,7 +59,7 @@ static void bf_norm_rows(void *ctx, int64_t m0, int64_t m1) {
 #pragma omp simd
             for (int64_t i = 0; i < N; i++) s[i] = bf_load(x[i]);
         }
-        const float scale = bf_rms_scale(s, N, j->eps);
+        const float scale = row_rms_scale(s, N, j->eps);
 #pragma omp simd
         for (int64_t i = 0; i < N; i++) o[i] = bf_round(s[i] * scale * bf_load(j->w[i]));
     }
@@ -84,7 +71,7 @@ static void bf_norm_rows(void *ctx, int64_t m0, int64_t m1) {
 void dkv_bf16_add_rmsnorm(uint16_t *x, const uint16_t *res, const uint16_t *w, uint16_t *out,
                           int64_t M, int64_t N, float eps, int nthreads) {
     struct bf_norm_job job = {x, res, w, out, N, eps};
-    pool_run(bf_norm_rows, &job, M, bf_grain(N), nthreads);
+    pool_run(bf_norm_rows, &job, M, rows_grain(N), nthreads);
 }
 
 struct bf_rope_job {
@@ -108,7 +95,7 @@ static void bf_rope_rows(void *ctx, int64_t m0, int64_t m1) {
 #pragma omp simd
             for (int64_t i = 0; i < D; i++) t[i] = bf_load(x[i]);
             if (j->wqk) {
-                const float r = bf_rms_scale(t, D, j->eps);
+                const float r = row_rms_scale(t, D, j->eps);
                 const uint16_t *w = j->wqk + h * D;
 #pragma omp simd
                 for (int64_t i = 0; i < D; i++) t[i] = bf(bf(t[i] * r) * bf_load(w[i]));
@@ -129,7 +116,7 @@ void dkv_bf16_qk_norm_rope(const uint16_t *qkv, int64_t ld, const uint16_t *wqk,
                            const uint16_t *cos, const uint16_t *sin, uint16_t *q, uint16_t *k,
                            int64_t M, int64_t H, int64_t KVH, int64_t D, float eps, int nthreads) {
     struct bf_rope_job job = {qkv, wqk, cos, sin, q, k, ld, H, KVH, D, eps};
-    pool_run(bf_rope_rows, &job, M, bf_grain((H + KVH) * D), nthreads);
+    pool_run(bf_rope_rows, &job, M, rows_grain((H + KVH) * D), nthreads);
 }
 
 struct bf_silu_job {
@@ -155,5 +142,5 @@ static void bf_silu_rows(void *ctx, int64_t m0, int64_t m1) {
 /* gu [M, 2 * I] bf16 (gate | up) -> out [M, I] = bf16(bf16(silu(gate)) * up) */
 void dkv_bf16_silu_mul(const uint16_t *gu, uint16_t *out, int64_t M, int64_t I, int nthreads) {
     struct bf_silu_job job = {gu, out, I};
-    pool_run(bf_silu_rows, &job, M, bf_grain(2 * I), nthreads);
+    pool_run(bf_silu_rows, &job, M, rows_grain(2 * I), nthreads);
 }

@@ -276,7 +276,7 @@ static inline float row_rms_scale(const float *x, int64_t n, float eps) {
     return 1.0f / sqrtf(hsum8(acc) / (float)n + eps);
 }
 
-static inline int64_t f32_grain(int64_t width) { /* rows per grain: ~16k elements */
+static inline int64_t rows_grain(int64_t width) { /* rows per grain: ~16k elements */
     return width >= 16384 ? 1 : 16384 / width;
 }
 
@@ -307,7 +307,7 @@ static void f32_norm_rows(void *ctx, int64_t m0, int64_t m1) {
 void dkv_add_rmsnorm(float *x, const float *res, const float *w, float *out, int64_t M,
                      int64_t N, float eps, int nthreads) {
     struct f32_norm_job job = {x, res, w, out, N, eps};
-    pool_run(f32_norm_rows, &job, M, f32_grain(N), nthreads);
+    pool_run(f32_norm_rows, &job, M, rows_grain(N), nthreads);
 }
 
 struct f32_rope_job {
@@ -351,7 +351,7 @@ void dkv_qk_norm_rope(const float *qkv, int64_t ld, const float *wqk, const floa
                       const float *sin, float *q, float *k, int64_t M, int64_t H, int64_t KVH,
                       int64_t D, float eps, int nthreads) {
     struct f32_rope_job job = {qkv, wqk, cos, sin, q, k, ld, H, KVH, D, eps};
-    pool_run(f32_rope_rows, &job, M, f32_grain((H + KVH) * D), nthreads);
+    pool_run(f32_rope_rows, &job, M, rows_grain((H + KVH) * D), nthreads);
 }
 
 struct f32_silu_job {
@@ -374,7 +374,7 @@ static void f32_silu_rows(void *ctx, int64_t m0, int64_t m1) {
 /* gu [M, 2 * I] (gate | up) -> out [M, I] = silu(gate) * up */
 void dkv_silu_mul(const float *gu, float *out, int64_t M, int64_t I, int nthreads) {
     struct f32_silu_job job = {gu, out, I};
-    pool_run(f32_silu_rows, &job, M, f32_grain(2 * I), nthreads);
+    pool_run(f32_silu_rows, &job, M, rows_grain(2 * I), nthreads);
 }
 
 #include "native_bf16.h"
