@@ -310,3 +310,17 @@ def test_engine_tokens_equal_the_pytorch_paths(tiny_model_dir):
         finally:
             native._lib = lib
     assert outs["native"] == outs["torch"] == outs["no-mirrors"]
+
+
+def test_the_build_digest_reads_every_file_the_compiler_reads():
+    """A kernel header left out of SOURCES would not change the build's digest: an edit to it
+    would keep loading the old library from the cache."""
+    import re
+
+    seen, todo = set(), [native.SOURCE.name]
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        text = native.SOURCE.with_name(name).read_text()
+        todo += [h for h in re.findall(r'#include "([^"]+)"', text) if h not in seen]
+    assert seen == {p.name for p in native.SOURCES}

@@ -35,7 +35,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 . W^T (+ bias) -> [M, n] bf16, W packed by `pack`; the same bits for a
     row whatever M (native_amx.h)."""
     m, k = x.shape
@@ -44,8 +44,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int,
             or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)))):
         raise ValueError(f"AMX linear: x {x.dtype} {tuple(x.shape)} for {n} columns")
     y = torch.empty(m, n, dtype=torch.bfloat16)
-    if m and native.library().dkv_amx_linear(x.data_ptr(), packed.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), y.data_ptr(), m, n,
-                                 k, torch.get_num_threads()) != 0:
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if m and native.library().dkv_amx_linear(x.data_ptr(), packed.data_ptr(), bias_ptr,
+                                             y.data_ptr(), m, n, k, torch.get_num_threads()) != 0:
         raise MemoryError("AMX linear: no memory for a padding buffer")
     return y

@@ -108,7 +108,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             shape = x.shape
-            y = amx.linear(x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous(),
-                                  self.packed, self.out_features, self.bias32)
+            rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+            y = amx.linear(rows, self.packed, self.out_features, self.bias32)
             return y.view(*shape[:-1], self.out_features)
         return linear(x, self.weight, self.bias)

@@ -44,7 +44,9 @@ from duplexkv.paths import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
-SOURCES = (SOURCE, SOURCE.with_name("native_pool.h"), SOURCE.with_name("native_amx.h"))  # what the build reads (the digest's)
+# what the build reads (the digest's): the .c file and the headers it includes
+SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in ("native_pool.h", "native_amx.h",
+                                                    "native_bf16.h")))
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
                  "-pthread"]
 LINK_FLAGS = ["-shared", "-pthread"]
@@ -141,8 +143,12 @@ def available() -> bool:
     return library() is not None
 
 
+def _fits_as(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+
+
 def _fits(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    return _fits_as(t, torch.float32)
 
 
 def linear_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -208,10 +214,6 @@ def rows_ok(x: torch.Tensor) -> bool:
     if x.dtype == torch.bfloat16:
         return x.shape[1] <= MAX_BF16_WIDTH and available()
     return x.dtype == torch.float32 and available()
-
-
-def _fits_as(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
