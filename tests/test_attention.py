@@ -103,6 +103,35 @@ def test_mirror_buffers_are_reused_and_stay_in_budget():
     assert ms.used_bytes <= ms.budget_bytes
 
 
+def test_a_mirror_s_current_key_block_is_never_stale_past_its_context():
+    """A decode row may read its whole key block from the mirror, the keys past its context
+    masked: those must be zeros, not a previous sequence's values or fresh memory (NaN would
+    turn the masked zeros into NaN)."""
+    ms = MirrorSet(1, 1, 8, torch.float32, budget_bytes=1 << 20)
+    a = ms.prepare("a", 0, 700, block=512)
+    a.kv[:, :, :, :700] = 1.0
+    a.length = 700
+    assert a.clean == 1024 and not a.kv[:, :, :, 700:1024].any()
+    a.kv.fill_(float("nan"))  # as if another sequence's buffer held garbage
+    ms.drop_unless(set())
+    b = ms.prepare("b", 300, 301, block=512)  # takes the spare, NaN everywhere
+    assert b.kv.data_ptr() == a.kv.data_ptr()
+    assert not b.kv[:, :, :, 301:512].isnan().any() and b.clean == 512
+    b.kv[:, :, :, :301] = 2.0
+    b.length = 301
+    b.kv[:, :, :, 512:].fill_(float("nan"))
+    for pos in range(301, 520):  # decoding on, into the next key block
+        ms.prepare("b", pos, pos + 1, block=512)
+        b.kv[:, :, :, pos] = 3.0
+        b.length = pos + 1
+        block_end = (pos // 512 + 1) * 512
+        assert not b.kv[:, :, :, : block_end].isnan().any(), pos
+    grown = ms.prepare("b", 520, 1100, block=512)  # a new buffer: the copy, this step's
+    assert grown.capacity == 2048 and grown.clean == 1536  # 580 tokens, then zeros
+    assert (grown.kv[:, :, :, :301] == 2).all() and (grown.kv[:, :, :, 301:520] == 3).all()
+    assert not grown.kv[:, :, :, 1100:1536].any()
+
+
 def test_decode_without_mirrors_matches_mirrors(tiny_model_dir):
     """The gather path (mirror budget exhausted) and the mirror path give the same tokens,
     also for a prompt that hits the prefix cache mid-block (mirror rebuilt from the pool)."""

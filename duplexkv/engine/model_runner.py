@@ -6,7 +6,8 @@ import torch
 
 from duplexkv.engine.kv_pool import DTYPE, allocate_pool
 from duplexkv.engine.scheduler import ScheduledSeq
-from duplexkv.layers.attention import AttnContext, build_seq_attn, reset_context, set_context
+from duplexkv.layers.attention import (KEY_BLOCK, AttnContext, build_seq_attn, invariant,
+                                       reset_context, set_context)
 from duplexkv.layers.staging import MirrorSet
 from duplexkv.model.config import ModelConfig
 from duplexkv.model.qwen3 import CausalLM, Rotary
@@ -50,7 +51,8 @@ class ModelRunner:
             pos.extend(p)
             blocks.extend(seq.block_table[i // bs] for i in p)
             offsets.extend(i % bs for i in p)
-            mirror = self.mirrors.prepare(seq.request_id, start, start + n)
+            mirror = self.mirrors.prepare(seq.request_id, start, start + n,
+                                          KEY_BLOCK if invariant(self.dtype) else 0)
             seqs.append(build_seq_attn(row, n, start, seq.block_table, bs, mirror))
             row += n
             if item.samples:

@@ -30,6 +30,7 @@ class Mirror:
     kv: torch.Tensor  # [num_layers, 2, kv_heads, capacity, head_dim]
     length: int = 0  # tokens valid (the same for every layer once a step completes)
     rebuild: bool = True  # this step must first copy [0, start) from the pool
+    clean: int = 0  # every position below this holds KV or zeros (never stale or unset memory)
 
     @property
     def capacity(self) -> int:
@@ -88,8 +89,23 @@ class MirrorSet:
         L, two, kvh, d = self.shape
         return torch.empty((L, two, kvh, cap, d), dtype=self.dtype)
 
-    def prepare(self, request_id: str, start: int, ctx_len: int) -> Mirror | None:
-        """The mirror to use this step (growing it as needed), or None to gather instead."""
+    def prepare(self, request_id: str, start: int, ctx_len: int,
+                block: int = 0) -> Mirror | None:
+        """The mirror to use this step (growing it as needed), or None to gather instead. With
+        `block`, the positions from ctx_len to the end of its `block`-aligned block (within the
+        capacity) are zeros unless written: a kernel may then read the whole block, the keys
+        past the context masked (a masked key adds an exact zero only if its value is finite;
+        a buffer may come from another sequence, or be fresh memory)."""
+        m = self._prepare(request_id, start, ctx_len)
+        if m is not None and block:
+            end = min(m.capacity, -(-ctx_len // block) * block)
+            lo = max(ctx_len, m.clean)
+            if lo < end:
+                m.kv[:, :, :, lo:end].zero_()
+            m.clean = max(m.clean, end)
+        return m
+
+    def _prepare(self, request_id: str, start: int, ctx_len: int) -> Mirror | None:
         m = self.mirrors.get(request_id)
         if m is not None and m.length != start:
             # preempted or restarted: contents no longer line up
@@ -105,7 +121,7 @@ class MirrorSet:
             return None
         if m is not None:
             kv[:, :, :, : m.length] = m.kv[:, :, :, : m.length]
-            old, m.kv, m.rebuild = m.kv, kv, False
+            old, m.kv, m.rebuild, m.clean = m.kv, kv, False, m.length
             self._release(old)
         else:
             m = Mirror(kv, 0, rebuild=start > 0)
