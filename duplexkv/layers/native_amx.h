@@ -22,7 +22,6 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
-#define DKV_AMX 1
 #define AMX_NR 8 /* column pairs (32 columns each) per task */
 
 int dkv_amx_init(void) { /* Linux only lends the tile state to a process that asks */
@@ -56,7 +55,7 @@ struct amx_job {
     const uint16_t *x, *wp;
     const float *bias;
     uint16_t *y;
-    int64_t M, N, K, mtasks, ctasks;
+    int64_t M, N, K, mtasks; /* row blocks of 32: tasks are (column range, row block) */
     _Atomic int failed; /* a thread had no padding buffer */
 };
 
@@ -141,7 +140,7 @@ int dkv_amx_linear(const uint16_t *x, const uint16_t *wp, const float *bias, uin
                    int64_t M, int64_t N, int64_t K, int nthreads) {
     if (!dkv_amx_init() || K % 32 || K <= 0 || M <= 0 || N <= 0) return -1;
     const int64_t mtasks = (M + 31) / 32, ctasks = ((N + 31) / 32 + AMX_NR - 1) / AMX_NR;
-    struct amx_job job = {x, wp, bias, y, M, N, K, mtasks, ctasks, 0};
+    struct amx_job job = {x, wp, bias, y, M, N, K, mtasks, 0};
     const int64_t count = mtasks * ctasks;
     pool_run(amx_tasks, &job, count, count / (4 * (nthreads > 0 ? nthreads : 1)), nthreads);
     return atomic_load(&job.failed) ? -1 : 0;
