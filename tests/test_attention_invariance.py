@@ -49,7 +49,14 @@ def run_chunks(q, k, v, chunks, mirrors: bool):
 @pytest.mark.parametrize("heads,kv_heads,dim,dtype", [
     (2, 1, 32, torch.bfloat16), (8, 2, 64, torch.bfloat16), (4, 4, 32, torch.bfloat16),
     (8, 2, 64, torch.float16)])
-def test_reduced_precision_attention_rows_equal_across_chunkings(heads, kv_heads, dim, dtype):
+@pytest.mark.parametrize("kernel", ["amx", "flash"])
+def test_reduced_precision_attention_rows_equal_across_chunkings(heads, kv_heads, dim, dtype,
+                                                                  kernel, monkeypatch):
+    """Both bf16 paths: the AMX kernel (native_amx_attn.h) where the CPU has it, PyTorch's flash
+    kernel made invariant (`_blocked`) elsewhere."""
+    if kernel == "amx" and not attention.amx_runs(dtype, dim):
+        pytest.skip("the AMX kernel does not run this dtype on this CPU")
+    monkeypatch.setattr(attention, "AMX_ATTENTION", kernel == "amx")
     kb = attention.KEY_BLOCK
     t = 2 * kb + 90  # three key blocks
     g = torch.Generator().manual_seed(heads * 100 + dim)

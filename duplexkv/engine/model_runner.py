@@ -6,7 +6,7 @@ import torch
 
 from duplexkv.engine.kv_pool import DTYPE, allocate_pool
 from duplexkv.engine.scheduler import ScheduledSeq
-from duplexkv.layers.attention import (KEY_BLOCK, AttnContext, build_seq_attn, invariant,
+from duplexkv.layers.attention import (AttnContext, build_seq_attn, mirror_block,
                                        reset_context, set_context)
 from duplexkv.layers.staging import MirrorSet
 from duplexkv.model.config import ModelConfig
@@ -34,6 +34,8 @@ class ModelRunner:
         self.pool = allocate_pool(cfg, block_size, self.dtype, num_blocks)
         self.mirrors = MirrorSet(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype,
                                  mirror_budget_bytes)
+        # the key block a mirror keeps zeroed past the context, for attention that reads it whole
+        self.mirror_block = mirror_block(self.dtype, cfg.head_dim)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor | None:
@@ -51,8 +53,7 @@ class ModelRunner:
             pos.extend(p)
             blocks.extend(seq.block_table[i // bs] for i in p)
             offsets.extend(i % bs for i in p)
-            mirror = self.mirrors.prepare(seq.request_id, start, start + n,
-                                          KEY_BLOCK if invariant(self.dtype) else 0)
+            mirror = self.mirrors.prepare(seq.request_id, start, start + n, self.mirror_block)
             seqs.append(build_seq_attn(row, n, start, seq.block_table, bs, mirror))
             row += n
             if item.samples:

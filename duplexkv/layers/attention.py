@@ -16,7 +16,9 @@ attends with `scaled_dot_product_attention`:
     lower-right causal attention, but both halves run SDPA's fast kernel; a mask is 2-3x slower)
 
 That is float32's way (and any dtype's where this torch lacks the flash kernel with log-sum-exp);
-bf16/fp16 take the chunking-invariant path below instead.
+bf16/fp16 take a chunking-invariant path instead: on a CPU with AMX, bf16 runs every sequence of
+a step in one call of our own kernel (native_amx_attn.h, `_amx_step`), invariant by construction;
+elsewhere `_blocked` below makes PyTorch's flash kernel invariant.
 
 Grouped-query attention: where no mask is needed (the cached prefix, one-token decode) the
 query heads of a KV group are folded into the query-length axis, [1, KVH, G * n, D], so the
@@ -66,12 +68,13 @@ KEY_BLOCK (a) or KEY_BLOCK itself. (`_prefix_causal` and `_decode` round the sam
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from duplexkv.layers import native
+from duplexkv.layers import amx, native
 from duplexkv.layers.staging import Mirror, fill_from_pool
 
 
@@ -120,6 +123,8 @@ _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 SHAPE_STEP = 32  # lengths the reduced-precision kernel sees are multiples of this (see above)
 KEY_BLOCK = 512  # reduced precision: a query's keys go to the kernel in blocks of this, from 0
 MIN_ROWS = 4  # reduced precision: at least this many query rows per kernel call (see _blocked)
+# bf16 on AMX runs native_amx_attn.h; DUPLEXKV_AMX_ATTENTION=0 keeps `_blocked` (A/B, tests)
+AMX_ATTENTION = os.environ.get("DUPLEXKV_AMX_ATTENTION", "1") != "0"
 
 
 def shape_step(dtype: torch.dtype) -> int:
@@ -128,8 +133,22 @@ def shape_step(dtype: torch.dtype) -> int:
 
 
 def invariant(dtype: torch.dtype) -> bool:
-    """Whether attention in `dtype` takes the chunking-invariant path (`_blocked`)."""
+    """Whether attention in `dtype` takes a chunking-invariant path (`_amx_step` or `_blocked`)."""
     return shape_step(dtype) > 1
+
+
+def mirror_block(dtype: torch.dtype, head_dim: int) -> int:
+    """The key block `_blocked` reads whole from a mirror (MirrorSet.prepare zeroes its tail),
+    or 0 where attention reads only the context (float32, and bf16 on AMX: `_amx_step`)."""
+    if not invariant(dtype) or amx_runs(dtype, head_dim):
+        return 0
+    return KEY_BLOCK
+
+
+def amx_runs(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention in `dtype` with this head size runs native_amx_attn.h (`_amx_step`)."""
+    return (AMX_ATTENTION and dtype == torch.bfloat16 and head_dim % 32 == 0
+            and head_dim <= amx.MAX_HEAD_DIM and amx.available())
 
 
 def _pad_len(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
@@ -328,6 +347,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     ctx = get_context()
     write_kv(pool, layer, k, v, ctx)
     num_kv = k.shape[1]
+    if amx_runs(q.dtype, q.shape[-1]) and q.shape[1] % num_kv == 0:
+        return _amx_step(q, k, v, pool, layer, scale, ctx)
     group = q.shape[1] // num_kv
     step = shape_step(q.dtype)
     out = torch.empty_like(q)
@@ -394,6 +415,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     elif inv_rows:
         _blocked_decode(q, out, inv_rows, inv_k, inv_v, inv_pos, scale)
     return out
+
+
+def _amx_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, layer: int,
+              scale: float, ctx: AttnContext) -> torch.Tensor:
+    """Every sequence of the step in one call of native_amx_attn.h: each reads its keys from its
+    mirror (appended first), from this step's K/V (a fresh prefill without one), or from a copy
+    gathered from the pool."""
+    seqs = []
+    for s in ctx.seqs:
+        rows = slice(s.q_start, s.q_start + s.num_new)
+        m = s.mirror
+        if m is not None:
+            write_mirror(m, pool, s, layer, k[rows], v[rows])
+            sk, sv = m.kv[layer, 0], m.kv[layer, 1]  # [KVH, cap, D]
+        elif s.start == 0:
+            sk, sv = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [KVH, n, D] views
+        else:
+            sk = _gather(pool, s, layer, 0, k.shape[1], k.shape[-1])[: s.ctx_len].transpose(0, 1)
+            sv = _gather(pool, s, layer, 1, k.shape[1], k.shape[-1])[: s.ctx_len].transpose(0, 1)
+        seqs.append((sk, sv, s.q_start, s.num_new, s.start))
+    return amx.attention(q.contiguous(), seqs, scale)
 
 
 def _blocked_decode(q: torch.Tensor, out: torch.Tensor, rows: list[int], keys: list[torch.Tensor],

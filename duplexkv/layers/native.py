@@ -46,11 +46,11 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("native_kernels.c")
 # what the build reads (the digest's): the .c file and the headers it includes
 SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in ("native_pool.h", "native_amx.h",
-                                                    "native_bf16.h")))
+                                                    "native_amx_attn.h", "native_bf16.h")))
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
                  "-pthread"]
 LINK_FLAGS = ["-shared", "-pthread"]
-ABI = 3  # dkv_abi() of the source this module binds
+ABI = 4  # dkv_abi() of the source this module binds
 MAX_GROUP = 16  # native_kernels.c MAX_G
 MAX_HEAD_DIM = 512  # native_kernels.c MAX_D
 MAX_BF16_WIDTH = 32768  # native_bf16.h BF_MAX_N
@@ -121,6 +121,9 @@ def _load() -> ctypes.CDLL | None:
     lib.dkv_amx_pack.restype = None
     lib.dkv_amx_linear.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64, _i64, _i64, ctypes.c_int]
     lib.dkv_amx_linear.restype = ctypes.c_int
+    lib.dkv_amx_attention.argtypes = [_f32p, _f32p, _i64, *[_f32p] * 9, _i64, _i64, _i64,
+                                      ctypes.c_float, ctypes.c_int]
+    lib.dkv_amx_attention.restype = ctypes.c_int
     return lib
 
 

@@ -26,6 +26,7 @@
 
 #include "native_pool.h"
 #include "native_amx.h"
+#include "native_amx_attn.h"
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
@@ -57,7 +58,7 @@ static inline void store_row(float *y, int64_t rows, v8 a0, v8 a1, v8 a2, v8 a3)
     if (rows > 3) y[3] = hsum8(a3);
 }
 
-int dkv_abi(void) { return 3; }
+int dkv_abi(void) { return 4; }
 
 struct linear_job {
     const float *x, *w;

@@ -1,0 +1,356 @@
+/* bf16 causal attention on AMX tiles: one kernel for prefill chunks and decode steps alike.
+ *
+ * Why: reuse must not change an answer, so a query row's output may depend only on its position,
+ * its query and the keys/values at positions 0 .. p, never on how the prompt was split into
+ * chunks, which of its keys were pulled from a peer or decoded one by one, or which other rows
+ * share the call (docs/engine.md, "chunking invariance"). PyTorch's flash kernel met that only
+ * through a detour (two calls per key block of 512 and a merge, attention.py `_blocked`), and each
+ * of its calls woke an OpenMP team that sleeps between regions. This kernel is invariant by
+ * construction and runs every sequence of a step in one call on the native pool.
+ *
+ * Per query row at position p (its G query heads of one KV head folded into the rows of a tile):
+ * keys go in blocks of AT_BK from position 0 (the same blocks whatever the call), keys past p
+ * masked; per block, scores s = q . k (one TDPBF16PS per 32 dims, in order, from zero), scaled by
+ * scale * log2(e); running max m, p = 2^(s - m) (a polynomial of our own, the same instructions
+ * for every row), l = l * alpha + p (16 lanes, in key order), P rounded to bf16, the block's P . V
+ * (TDPBF16PS per 32 keys, from zero) added to the row's float32 accumulator scaled by alpha; at
+ * the end out = acc / l rounded once to bf16. A TDPBF16PS treats each row of its A tile alone, a
+ * masked key contributes an exact zero (its P is zero and its packed V is zero past the context),
+ * and a block none of a row's keys reach leaves the row exactly as it was (alpha = 2^0 = 1), so a
+ * row's bits depend on nothing but its own inputs. Every row takes one code path (the masks are
+ * computed, never branched on per row), and blocks are skipped only for tiles none of whose rows
+ * reach them.
+ *
+ * Layout: q and out [T, H, D] (T: the step's tokens); a sequence's keys and values are read through
+ * a base pointer per tensor with its own KV-head stride and row stride (a mirror [KVH, cap, D], the
+ * step's own [n, KVH, D], or a gathered copy), only rows below start + n_new. A task is one KV
+ * head of one sequence and up to AT_QB of its folded rows (position-major, then the group's
+ * heads); it packs each key block once into the tiles' layouts (K as the B operand of Q . K^T:
+ * a 16 x 16 transpose of 32-bit pairs; V as the B operand of P . V: pairs of keys interleaved)
+ * and runs its query tiles over it. Tasks go to the pool costliest first.
+ */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+#define AT_BK 64     /* keys per softmax step, blocks aligned to position 0 */
+#define AT_QB 128    /* folded query rows per task (8 tiles) */
+#define AT_MAX_D 256 /* head_dim: a multiple of 32 up to this */
+#define AT_NEG (-1e30f)
+
+struct at_task {
+    int64_t seq, kvh, r0, r1, cost;
+};
+
+struct at_job {
+    const uint16_t *q;
+    uint16_t *out;
+    const int64_t *kbase, *vbase, *khs, *krs, *vhs, *vrs, *qrow, *nnew, *start;
+    const struct at_task *tasks;
+    int64_t H, G, D;
+    float sl; /* scale * log2(e) */
+    _Atomic int failed;
+};
+
+/* a thread's scratch, for AT_MAX_D */
+struct at_scratch {
+    uint16_t qt[AT_QB * AT_MAX_D];  /* the task's folded query rows, zero rows past the last */
+    float acc[AT_QB * AT_MAX_D];    /* output accumulators */
+    float lvec[AT_QB * 16];         /* softmax denominators, 16 lanes per row */
+    float m[AT_QB];                 /* running maxima */
+    int64_t pos[AT_QB];             /* each row's position */
+    uint16_t kp[AT_BK * AT_MAX_D];  /* the key block, packed */
+    uint16_t vp[AT_BK * AT_MAX_D];  /* the value block, packed */
+    float s[16 * AT_BK];            /* one tile's scores */
+    uint16_t p[16 * AT_BK];         /* one tile's probabilities, bf16 */
+    float ob[16 * AT_MAX_D];        /* one tile's P . V of the block */
+    float alpha[16];
+} __attribute__((aligned(64)));
+static __thread struct at_scratch *at_buf;
+
+static inline __m512 at_exp2(__m512 x) { /* 2^x for x <= 0, ~1e-7 relative; 2^0 = 1 exactly */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* r[j][n] <- r[n][j] for a 16 x 16 matrix of 32-bit elements */
+static inline void at_transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* now r[4b + j] holds, in each 128-bit lane L, element j of rows 4b .. 4b+3 at column 4L + . */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+/* the keys [k0, k0 + AT_BK) below `nv` of one KV head into kp (zeros past nv):
+ * kp[c][dc] (1 KiB tile) = [16 dim pairs r][16 keys n][2], key k0 + 16c + n, dims 32dc + 2r .. */
+static void at_pack_k(uint16_t *kp, const uint16_t *k, int64_t rs, int64_t k0, int64_t nv,
+                      int64_t D) {
+    const int64_t dcs = D / 32;
+    for (int64_t c = 0; c < AT_BK / 16 && 16 * c < nv; c++)
+        for (int64_t dc = 0; dc < dcs; dc++) {
+            __m512i r[16];
+            for (int n = 0; n < 16; n++)
+                r[n] = 16 * c + n < nv ? _mm512_loadu_si512(k + (k0 + 16 * c + n) * rs + 32 * dc)
+                                       : _mm512_setzero_si512();
+            at_transpose16(r);
+            uint16_t *o = kp + (c * dcs + dc) * 512;
+            for (int j = 0; j < 16; j++) _mm512_store_si512(o + 32 * j, r[j]);
+        }
+}
+
+/* the values [k0, k0 + AT_BK) below `nv` into vp (zeros past nv):
+ * vp[h][dcol] (1 KiB tile) = [16 key pairs][16 dims][2], keys k0 + 32h + 2r + t, dim 16 dcol + n */
+static void at_pack_v(uint16_t *vp, const uint16_t *v, int64_t rs, int64_t k0, int64_t nv,
+                      int64_t D) {
+    const int64_t dcols = D / 16;
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+    for (int64_t h = 0; h < AT_BK / 32 && 32 * h < nv; h++)
+        for (int r = 0; r < 16; r++) {
+            const int64_t ka = 32 * h + 2 * r, kb = ka + 1;
+            const uint16_t *a = v + (k0 + ka) * rs, *b = v + (k0 + kb) * rs;
+            for (int64_t dcol = 0; dcol < dcols; dcol++) {
+                const __m256i va = ka < nv ? _mm256_loadu_si256((const __m256i *)(a + 16 * dcol))
+                                           : _mm256_setzero_si256();
+                const __m256i vb = kb < nv ? _mm256_loadu_si256((const __m256i *)(b + 16 * dcol))
+                                           : _mm256_setzero_si256();
+                const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
+                _mm512_store_si512(vp + ((h * dcols + dcol) * 16 + r) * 32,
+                                   _mm512_permutexvar_epi16(idx, z));
+            }
+        }
+}
+
+#define AT_ZERO4(n)                                  \
+    do {                                             \
+        if ((n) > 0) _tile_zero(0);                  \
+        if ((n) > 1) _tile_zero(1);                  \
+        if ((n) > 2) _tile_zero(2);                  \
+        if ((n) > 3) _tile_zero(3);                  \
+    } while (0)
+
+/* one tile (rows t0 .. t0 + 15 of the task) over the packed key block at k0 */
+static void at_tile_block(const struct at_job *j, struct at_scratch *w, int64_t t0, int64_t k0) {
+    const int64_t D = j->D, dcs = D / 32, dcols = D / 16;
+    int64_t maxlim = 0;
+    for (int i = 0; i < 16; i++) {
+        const int64_t lim = w->pos[t0 + i] - k0 + 1;
+        if (lim > maxlim) maxlim = lim;
+    }
+    if (maxlim <= 0) return; /* no row reaches this block: every row would stay as it is */
+    if (maxlim > AT_BK) maxlim = AT_BK;
+    const int ncols = (int)((maxlim + 15) / 16), nhalves = (int)((maxlim + 31) / 32);
+    /* scores: S[16 rows][AT_BK keys], columns past ncols left stale (masked below) */
+    AT_ZERO4(ncols);
+    for (int64_t dc = 0; dc < dcs; dc++) {
+        _tile_loadd(4, w->qt + t0 * D + 32 * dc, D * 2);
+        const uint16_t *kb = w->kp + dc * 512;
+        _tile_loadd(5, kb, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (ncols > 1) {
+            _tile_loadd(6, kb + dcs * 512, 64);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (ncols > 2) {
+            _tile_loadd(7, kb + 2 * dcs * 512, 64);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (ncols > 3) {
+            _tile_loadd(5, kb + 3 * dcs * 512, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, w->s, AT_BK * 4);
+    if (ncols > 1) _tile_stored(1, w->s + 16, AT_BK * 4);
+    if (ncols > 2) _tile_stored(2, w->s + 32, AT_BK * 4);
+    if (ncols > 3) _tile_stored(3, w->s + 48, AT_BK * 4);
+    /* softmax step per row: the same instructions for every row, masks from its position */
+    const __m512 sl = _mm512_set1_ps(j->sl), neg = _mm512_set1_ps(AT_NEG);
+    for (int i = 0; i < 16; i++) {
+        const int64_t r = t0 + i, lim = w->pos[r] - k0 + 1;
+        __m512 v[4];
+        __mmask16 mk[4];
+        for (int c = 0; c < 4; c++) {
+            const int64_t n = lim - 16 * c;
+            mk[c] = n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+            v[c] = _mm512_mask_mul_ps(neg, mk[c], _mm512_load_ps(w->s + i * AT_BK + 16 * c), sl);
+        }
+        const float bm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(v[0], v[1]),
+                                                            _mm512_max_ps(v[2], v[3])));
+        const float m_old = w->m[r], m_new = bm > m_old ? bm : m_old;
+        const __m512 mn = _mm512_set1_ps(m_new);
+        const __m512 alpha = at_exp2(_mm512_set1_ps(m_old - m_new));
+        __m512 p[4];
+        for (int c = 0; c < 4; c++) p[c] = _mm512_maskz_mov_ps(mk[c], at_exp2(_mm512_sub_ps(v[c], mn)));
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));
+        float *lv = w->lvec + r * 16;
+        _mm512_store_ps(lv, _mm512_fmadd_ps(_mm512_load_ps(lv), alpha, sum));
+        _mm512_store_si512(w->p + i * AT_BK, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+        _mm512_store_si512(w->p + i * AT_BK + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
+        w->m[r] = m_new;
+        w->alpha[i] = _mm512_cvtss_f32(alpha);
+    }
+    /* P . V for the block, 4 columns of 16 dims at a time, then acc = acc * alpha + that */
+    for (int64_t g0 = 0; g0 < dcols; g0 += 4) {
+        const int nd = dcols - g0 < 4 ? (int)(dcols - g0) : 4;
+        AT_ZERO4(nd);
+        for (int h = 0; h < nhalves; h++) {
+            _tile_loadd(4, w->p + 32 * h, AT_BK * 2);
+            const uint16_t *vb = w->vp + (h * dcols + g0) * 512;
+            _tile_loadd(5, vb, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (nd > 1) {
+                _tile_loadd(6, vb + 512, 64);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (nd > 2) {
+                _tile_loadd(7, vb + 1024, 64);
+                _tile_dpbf16ps(2, 4, 7);
+            }
+            if (nd > 3) {
+                _tile_loadd(5, vb + 1536, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, w->ob + 16 * g0, D * 4);
+        if (nd > 1) _tile_stored(1, w->ob + 16 * (g0 + 1), D * 4);
+        if (nd > 2) _tile_stored(2, w->ob + 16 * (g0 + 2), D * 4);
+        if (nd > 3) _tile_stored(3, w->ob + 16 * (g0 + 3), D * 4);
+    }
+    for (int i = 0; i < 16; i++) {
+        const __m512 a = _mm512_set1_ps(w->alpha[i]);
+        float *acc = w->acc + (t0 + i) * D;
+        for (int64_t c = 0; c < dcols; c++)
+            _mm512_store_ps(acc + 16 * c, _mm512_fmadd_ps(_mm512_load_ps(acc + 16 * c), a,
+                                                          _mm512_load_ps(w->ob + i * D + 16 * c)));
+    }
+}
+
+static void at_task_run(const struct at_job *j, struct at_scratch *w, const struct at_task *t) {
+    const int64_t s = t->seq, H = j->H, G = j->G, D = j->D, rows = t->r1 - t->r0;
+    const int64_t padded = (rows + 15) / 16 * 16, start = j->start[s], qrow = j->qrow[s];
+    const int64_t ctx = start + j->nnew[s];
+    for (int64_t i = 0; i < padded; i++) { /* fold: row r = position index * G + head in group */
+        const int64_t r = t->r0 + (i < rows ? i : rows - 1), pi = r / G, g = r % G;
+        w->pos[i] = start + pi;
+        w->m[i] = AT_NEG;
+        memset(w->lvec + i * 16, 0, 64);
+        memset(w->acc + i * D, 0, (size_t)D * 4);
+        if (i < rows)
+            memcpy(w->qt + i * D, j->q + ((qrow + pi) * H + t->kvh * G + g) * D, (size_t)D * 2);
+        else
+            memset(w->qt + i * D, 0, (size_t)D * 2);
+    }
+    const int64_t last = w->pos[rows - 1];
+    const uint16_t *k = (const uint16_t *)j->kbase[s] + t->kvh * j->khs[s];
+    const uint16_t *v = (const uint16_t *)j->vbase[s] + t->kvh * j->vhs[s];
+    for (int64_t k0 = 0; k0 <= last; k0 += AT_BK) {
+        const int64_t nv = ctx - k0 < AT_BK ? ctx - k0 : AT_BK;
+        at_pack_k(w->kp, k, j->krs[s], k0, nv, D);
+        at_pack_v(w->vp, v, j->vrs[s], k0, nv, D);
+        for (int64_t t0 = 0; t0 < padded; t0 += 16) at_tile_block(j, w, t0, k0);
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t r = t->r0 + i, pi = r / G, g = r % G;
+        const float *lv = w->lvec + i * 16;
+        const __m512 l = _mm512_set1_ps(_mm512_reduce_add_ps(_mm512_load_ps(lv)));
+        uint16_t *o = j->out + ((qrow + pi) * H + t->kvh * G + g) * D;
+        const float *acc = w->acc + i * D;
+        for (int64_t c = 0; c < D; c += 32) {
+            const __m512 lo = _mm512_div_ps(_mm512_load_ps(acc + c), l);
+            const __m512 hi = _mm512_div_ps(_mm512_load_ps(acc + c + 16), l);
+            _mm512_storeu_si512(o + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+}
+
+static void at_tasks(void *ctx, int64_t t0, int64_t t1) {
+    struct at_job *j = ctx;
+    if (!at_buf) at_buf = aligned_alloc(64, (sizeof(struct at_scratch) + 63) / 64 * 64);
+    if (!at_buf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    struct amx_cfg cfg = {.palette = 1};
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    for (int64_t t = t0; t < t1; t++) at_task_run(j, at_buf, &j->tasks[t]);
+    _tile_release();
+}
+
+static int at_cost_desc(const void *a, const void *b) {
+    const int64_t x = ((const struct at_task *)a)->cost, y = ((const struct at_task *)b)->cost;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* Attention of the step's query rows q [T, H, D] (bf16) for `nseq` sequences into out [T, H, D]:
+ * sequence s has n_new[s] rows from row q_row[s], at positions start[s] .. start[s] + n_new[s]
+ * - 1, and its keys (positions 0 .. start[s] + n_new[s] - 1) at kbase[s] + h * khs[s] +
+ * position * krs[s] (elements) for KV head h, its values likewise at vbase[s] with vhs[s] and
+ * vrs[s]. 0, or -1 (unsupported shape, no memory). */
+int dkv_amx_attention(const uint16_t *q, uint16_t *out, int64_t nseq, const int64_t *kbase,
+                      const int64_t *vbase, const int64_t *khs, const int64_t *krs,
+                      const int64_t *vhs, const int64_t *vrs, const int64_t *qrow,
+                      const int64_t *nnew, const int64_t *start, int64_t H, int64_t KVH,
+                      int64_t D, float scale, int nthreads) {
+    if (!dkv_amx_init() || D % 32 || D <= 0 || D > AT_MAX_D || KVH <= 0 || H % KVH || nseq <= 0)
+        return -1;
+    const int64_t G = H / KVH;
+    int64_t count = 0;
+    for (int64_t s = 0; s < nseq; s++) count += KVH * ((nnew[s] * G + AT_QB - 1) / AT_QB);
+    struct at_task *tasks = malloc((size_t)(count > 0 ? count : 1) * sizeof *tasks);
+    if (!tasks) return -1;
+    int64_t n = 0;
+    for (int64_t s = 0; s < nseq; s++)
+        for (int64_t h = 0; h < KVH; h++)
+            for (int64_t r0 = 0; r0 < nnew[s] * G; r0 += AT_QB) {
+                const int64_t r1 = r0 + AT_QB < nnew[s] * G ? r0 + AT_QB : nnew[s] * G;
+                tasks[n++] = (struct at_task){s, h, r0, r1, (r1 - r0) * (start[s] + r1 / G + 1)};
+            }
+    qsort(tasks, (size_t)n, sizeof *tasks, at_cost_desc);
+    struct at_job job = {q, out, kbase, vbase, khs, krs, vhs, vrs, qrow, nnew, start, tasks, H, G, D,
+                         scale * 1.4426950408889634f, 0};
+    pool_run(at_tasks, &job, n, 1, nthreads);
+    free(tasks);
+    return atomic_load(&job.failed) ? -1 : 0;
+}
+#else
+int dkv_amx_attention(const uint16_t *q, uint16_t *out, int64_t nseq, const int64_t *kbase,
+                      const int64_t *vbase, const int64_t *khs, const int64_t *krs,
+                      const int64_t *vhs, const int64_t *vrs, const int64_t *qrow,
+                      const int64_t *nnew, const int64_t *start, int64_t H, int64_t KVH,
+                      int64_t D, float scale, int nthreads) {
+    (void)q, (void)out, (void)nseq, (void)kbase, (void)vbase, (void)khs, (void)krs, (void)vhs;
+    (void)vrs, (void)qrow;
+    (void)nnew, (void)start, (void)H, (void)KVH, (void)D, (void)scale, (void)nthreads;
+    return -1;
+}
+#endif
