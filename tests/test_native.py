@@ -81,6 +81,31 @@ def test_decode_attention_refuses_what_does_not_fit():
             native.decode_attention(q, keys, values, 0.125)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_append_writes_each_sequences_rows_into_its_store(dtype):
+    """One call appends a step's K/V rows (V a strided view into the fused projection, as the
+    model passes it) to several sequences' mirrors [KVH, cap, D], each at its own position."""
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(12, (8 + 2 * 2) * 32, generator=g).to(dtype)
+    k = qkv[:, 8 * 32 : 10 * 32].contiguous().view(12, 2, 32)
+    v = qkv[:, 10 * 32 :].view(12, 2, 32)
+    stores = [torch.randn(2, 2, 40, 32, generator=g).to(dtype) for _ in range(3)]
+    want = [st.clone() for st in stores]
+    plan = [(0, 1, 7), (1, 10, 0), (11, 1, 39)]  # (first row, rows, position)
+    native.kv_append(k, v, [(st[0], st[1], r, n, p) for st, (r, n, p) in zip(stores, plan)])
+    for w, (r, n, p) in zip(want, plan):
+        w[0][:, p : p + n] = k[r : r + n].transpose(0, 1)
+        w[1][:, p : p + n] = v[r : r + n].transpose(0, 1)
+    for st, w in zip(stores, want):
+        assert torch.equal(st, w)
+    with pytest.raises(ValueError, match="kv_append"):  # past the store's capacity
+        native.kv_append(k, v, [(stores[0][0], stores[0][1], 0, 2, 39)])
+    with pytest.raises(ValueError, match="kv_append"):  # rows past the step's
+        native.kv_append(k, v, [(stores[0][0], stores[0][1], 11, 2, 0)])
+    with pytest.raises(ValueError, match="kv_append"):  # another dtype
+        native.kv_append(k, v, [(stores[0][0].double(), stores[0][1].double(), 0, 1, 0)])
+
+
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_add_rmsnorm_matches_torch_and_leaves_the_sum_in_the_residual(m):
     g = torch.Generator().manual_seed(m)

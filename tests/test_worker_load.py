@@ -41,18 +41,21 @@ def test_reports_that_do_not_parse_are_ignored():
 
 
 def test_a_loaded_worker_reports_its_queue_and_gets_a_longer_probe(tiny_model_dir, tmp_path):
-    """Twelve long prompts sent straight to the worker (not through a router): its /health
-    shows them queued with a predicted time to first token, and a probe of it would wait
-    PER_LEG_S per request, though the router has no leg in flight to it."""
+    """24 long prompts sent straight to the worker (not through a router): its /health shows
+    them queued with a predicted time to first token, and a probe of it would wait PER_LEG_S
+    per request, though the router has no leg in flight to it. (Twelve copies of one 1.5k-token
+    prompt, all but the first served from the prefix cache, drained in 0.3 s once bf16
+    attention ran on AMX tiles, too fast for a poll on a busy machine to see the queue; 24
+    distinct prompts of 3k tokens, more than the KV cache holds at once, keep it for ~2.5 s.)"""
     w = start_worker(tiny_model_dir, tmp_path / "w.log", "--num-kv-blocks", "512")
     with stopping(w):
         idle = w.health()
         assert idle["expected_ttft_ms"] == 0.0 and idle["expected_step_ms"] == 0.0, idle
-        body = {"model": w.name, "prompt": "tool output: " + "ok; " * 500, "max_tokens": 64,
-                "temperature": 0, "ignore_eos": True}
+        bodies = [{"model": w.name, "prompt": f"tool output {i}: " + "ok; " * 1000,
+                   "max_tokens": 64, "temperature": 0, "ignore_eos": True} for i in range(24)]
         seen: list[dict] = []
-        with ThreadPoolExecutor(12) as pool:
-            futs = [pool.submit(w.post, "/v1/completions", body) for _ in range(12)]
+        with ThreadPoolExecutor(24) as pool:
+            futs = [pool.submit(w.post, "/v1/completions", body) for body in bodies]
             deadline = time.monotonic() + 60
             while not seen and time.monotonic() < deadline and not all(f.done() for f in futs):
                 h = httpx.get(w.url + "/health", timeout=10).json()

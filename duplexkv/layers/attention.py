@@ -117,6 +117,28 @@ def write_mirror(m: Mirror, pool: torch.Tensor, s: SeqAttn, layer: int, k: torch
         dst[:, s.start : s.ctx_len] = x.transpose(0, 1)
 
 
+def append_mirrors(pool: torch.Tensor, ctx: AttnContext, layer: int, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+    """This step's K/V [T, KVH, D] appended to every sequence's mirror (rebuilt first if needed),
+    in one native call for all of them where the kernels are built (two tensor copies per
+    sequence and layer otherwise)."""
+    stores = []
+    for s in ctx.seqs:
+        m = s.mirror
+        if m is None:
+            continue
+        if not native.available():
+            rows = slice(s.q_start, s.q_start + s.num_new)
+            write_mirror(m, pool, s, layer, k[rows], v[rows])
+            continue
+        if m.rebuild and s.start > 0:
+            for kv in (0, 1):
+                fill_from_pool(m.kv[layer, kv], pool, s.block_table, layer, kv, s.start)
+        stores.append((m.kv[layer, 0], m.kv[layer, 1], s.q_start, s.num_new, s.start))
+    if stores:
+        native.kv_append(k, v, stores)
+
+
 _CTX: AttnContext | None = None
 # SDPA's CPU flash kernel, which also returns the log-sum-exp (None if this torch lacks it)
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -356,11 +378,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     inv = invariant(q.dtype)
     decode_rows, decode_k, decode_v = [], [], []  # one-token sequences for the native kernel
     inv_rows, inv_k, inv_v, inv_pos = [], [], [], []  # one-token sequences, invariant path
+    append_mirrors(pool, ctx, layer, k, v)
     for s in ctx.seqs:
         rows = slice(s.q_start, s.q_start + s.num_new)
         m = s.mirror
         if m is not None:
-            write_mirror(m, pool, s, layer, k[rows], v[rows])
             sk, sv = m.kv[layer, 0, None, :, : s.ctx_len], m.kv[layer, 1, None, :, : s.ctx_len]
             if inv and s.num_new == 1 and m.clean >= -(-s.ctx_len // KEY_BLOCK) * KEY_BLOCK:
                 # the whole key block of the row (zeros past the context: MirrorSet.prepare), so
@@ -422,12 +444,12 @@ def _amx_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Ten
     """Every sequence of the step in one call of native_amx_attn.h: each reads its keys from its
     mirror (appended first), from this step's K/V (a fresh prefill without one), or from a copy
     gathered from the pool."""
+    append_mirrors(pool, ctx, layer, k, v)
     seqs = []
     for s in ctx.seqs:
         rows = slice(s.q_start, s.q_start + s.num_new)
         m = s.mirror
         if m is not None:
-            write_mirror(m, pool, s, layer, k[rows], v[rows])
             sk, sv = m.kv[layer, 0], m.kv[layer, 1]  # [KVH, cap, D]
         elif s.start == 0:
             sk, sv = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [KVH, n, D] views

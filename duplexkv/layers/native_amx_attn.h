@@ -35,6 +35,7 @@
 #define AT_QB 128    /* folded query rows per task (8 tiles) */
 #define AT_MAX_D 256 /* head_dim: a multiple of 32 up to this */
 #define AT_NEG (-1e30f)
+#define AT_PF AT_BK /* rows ahead to prefetch K and V (never faults, even past the end) */
 
 struct at_task {
     int64_t seq, kvh, r0, r1, cost;
@@ -116,9 +117,11 @@ static void at_pack_k(uint16_t *kp, const uint16_t *k, int64_t rs, int64_t k0, i
     for (int64_t c = 0; c < AT_BK / 16 && 16 * c < nv; c++)
         for (int64_t dc = 0; dc < dcs; dc++) {
             __m512i r[16];
-            for (int n = 0; n < 16; n++)
-                r[n] = 16 * c + n < nv ? _mm512_loadu_si512(k + (k0 + 16 * c + n) * rs + 32 * dc)
-                                       : _mm512_setzero_si512();
+            for (int n = 0; n < 16; n++) {
+                const uint16_t *row = k + (k0 + 16 * c + n) * rs + 32 * dc;
+                _mm_prefetch((const char *)(row + AT_PF * rs), _MM_HINT_T0); /* a later block */
+                r[n] = 16 * c + n < nv ? _mm512_loadu_si512(row) : _mm512_setzero_si512();
+            }
             at_transpose16(r);
             uint16_t *o = kp + (c * dcs + dc) * 512;
             for (int j = 0; j < 16; j++) _mm512_store_si512(o + 32 * j, r[j]);
@@ -137,6 +140,10 @@ static void at_pack_v(uint16_t *vp, const uint16_t *v, int64_t rs, int64_t k0, i
         for (int r = 0; r < 16; r++) {
             const int64_t ka = 32 * h + 2 * r, kb = ka + 1;
             const uint16_t *a = v + (k0 + ka) * rs, *b = v + (k0 + kb) * rs;
+            for (int64_t c = 0; c < D; c += 32) { /* the same rows of a later block */
+                _mm_prefetch((const char *)(a + AT_PF * rs + c), _MM_HINT_T0);
+                _mm_prefetch((const char *)(b + AT_PF * rs + c), _MM_HINT_T0);
+            }
             for (int64_t dcol = 0; dcol < dcols; dcol++) {
                 const __m256i va = ka < nv ? _mm256_loadu_si256((const __m256i *)(a + 16 * dcol))
                                            : _mm256_setzero_si256();
@@ -158,7 +165,10 @@ static void at_pack_v(uint16_t *vp, const uint16_t *v, int64_t rs, int64_t k0, i
     } while (0)
 
 /* one tile (rows t0 .. t0 + 15 of the task) over the packed key block at k0 */
-static void at_tile_block(const struct at_job *j, struct at_scratch *w, int64_t t0, int64_t k0) {
+/* rows past `real` are padding: their softmax is skipped (their P rows stay finite, a tile row's
+ * products never reach another row), their outputs never stored */
+static void at_tile_block(const struct at_job *j, struct at_scratch *w, int64_t t0, int64_t k0,
+                          int real) {
     const int64_t D = j->D, dcs = D / 32, dcols = D / 16;
     int64_t maxlim = 0;
     for (int i = 0; i < 16; i++) {
@@ -192,31 +202,41 @@ static void at_tile_block(const struct at_job *j, struct at_scratch *w, int64_t 
     if (ncols > 1) _tile_stored(1, w->s + 16, AT_BK * 4);
     if (ncols > 2) _tile_stored(2, w->s + 32, AT_BK * 4);
     if (ncols > 3) _tile_stored(3, w->s + 48, AT_BK * 4);
-    /* softmax step per row: the same instructions for every row, masks from its position */
+    /* softmax step per row: the same instructions for every row, masks from its position; first
+     * each row's new maximum, then the 16 rows' rescaling factors in one vector */
     const __m512 sl = _mm512_set1_ps(j->sl), neg = _mm512_set1_ps(AT_NEG);
-    for (int i = 0; i < 16; i++) {
-        const int64_t r = t0 + i, lim = w->pos[r] - k0 + 1;
-        __m512 v[4];
-        __mmask16 mk[4];
+    __mmask16 mk[16][4];
+    float m_new[16] __attribute__((aligned(64)));
+    for (int i = real; i < 16; i++) m_new[i] = w->m[t0 + i];
+    for (int i = 0; i < real; i++) {
+        const int64_t lim = w->pos[t0 + i] - k0 + 1;
+        __m512 mx = neg;
         for (int c = 0; c < 4; c++) {
             const int64_t n = lim - 16 * c;
-            mk[c] = n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-            v[c] = _mm512_mask_mul_ps(neg, mk[c], _mm512_load_ps(w->s + i * AT_BK + 16 * c), sl);
+            mk[i][c] = n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0
+                                                            : (__mmask16)((1u << n) - 1);
+            mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(neg, mk[i][c],
+                                                      _mm512_load_ps(w->s + i * AT_BK + 16 * c), sl));
         }
-        const float bm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(v[0], v[1]),
-                                                            _mm512_max_ps(v[2], v[3])));
-        const float m_old = w->m[r], m_new = bm > m_old ? bm : m_old;
-        const __m512 mn = _mm512_set1_ps(m_new);
-        const __m512 alpha = at_exp2(_mm512_set1_ps(m_old - m_new));
+        const float bm = _mm512_reduce_max_ps(mx), m_old = w->m[t0 + i];
+        m_new[i] = bm > m_old ? bm : m_old;
+    }
+    const __m512 mnew = _mm512_load_ps(m_new), mold = _mm512_loadu_ps(w->m + t0);
+    _mm512_store_ps(w->alpha, at_exp2(_mm512_sub_ps(mold, mnew)));
+    _mm512_storeu_ps(w->m + t0, mnew);
+    for (int i = 0; i < real; i++) {
+        const __m512 mn = _mm512_set1_ps(m_new[i]), alpha = _mm512_set1_ps(w->alpha[i]);
         __m512 p[4];
-        for (int c = 0; c < 4; c++) p[c] = _mm512_maskz_mov_ps(mk[c], at_exp2(_mm512_sub_ps(v[c], mn)));
+        for (int c = 0; c < 4; c++) {
+            const __m512 v = _mm512_mask_mul_ps(neg, mk[i][c],
+                                                _mm512_load_ps(w->s + i * AT_BK + 16 * c), sl);
+            p[c] = _mm512_maskz_mov_ps(mk[i][c], at_exp2(_mm512_sub_ps(v, mn)));
+        }
         const __m512 sum = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));
-        float *lv = w->lvec + r * 16;
+        float *lv = w->lvec + (t0 + i) * 16;
         _mm512_store_ps(lv, _mm512_fmadd_ps(_mm512_load_ps(lv), alpha, sum));
         _mm512_store_si512(w->p + i * AT_BK, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
         _mm512_store_si512(w->p + i * AT_BK + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
-        w->m[r] = m_new;
-        w->alpha[i] = _mm512_cvtss_f32(alpha);
     }
     /* P . V for the block, 4 columns of 16 dims at a time, then acc = acc * alpha + that */
     for (int64_t g0 = 0; g0 < dcols; g0 += 4) {
@@ -245,7 +265,7 @@ static void at_tile_block(const struct at_job *j, struct at_scratch *w, int64_t 
         if (nd > 2) _tile_stored(2, w->ob + 16 * (g0 + 2), D * 4);
         if (nd > 3) _tile_stored(3, w->ob + 16 * (g0 + 3), D * 4);
     }
-    for (int i = 0; i < 16; i++) {
+    for (int i = 0; i < real; i++) {
         const __m512 a = _mm512_set1_ps(w->alpha[i]);
         float *acc = w->acc + (t0 + i) * D;
         for (int64_t c = 0; c < dcols; c++)
@@ -276,7 +296,8 @@ static void at_task_run(const struct at_job *j, struct at_scratch *w, const stru
         const int64_t nv = ctx - k0 < AT_BK ? ctx - k0 : AT_BK;
         at_pack_k(w->kp, k, j->krs[s], k0, nv, D);
         at_pack_v(w->vp, v, j->vrs[s], k0, nv, D);
-        for (int64_t t0 = 0; t0 < padded; t0 += 16) at_tile_block(j, w, t0, k0);
+        for (int64_t t0 = 0; t0 < padded; t0 += 16)
+            at_tile_block(j, w, t0, k0, rows - t0 < 16 ? (int)(rows - t0) : 16);
     }
     for (int64_t i = 0; i < rows; i++) {
         const int64_t r = t->r0 + i, pi = r / G, g = r % G;
@@ -294,7 +315,10 @@ static void at_task_run(const struct at_job *j, struct at_scratch *w, const stru
 
 static void at_tasks(void *ctx, int64_t t0, int64_t t1) {
     struct at_job *j = ctx;
-    if (!at_buf) at_buf = aligned_alloc(64, (sizeof(struct at_scratch) + 63) / 64 * 64);
+    if (!at_buf) {
+        at_buf = aligned_alloc(64, (sizeof(struct at_scratch) + 63) / 64 * 64);
+        if (at_buf) memset(at_buf->p, 0, sizeof at_buf->p); /* padding rows' P: finite */
+    }
     if (!at_buf) {
         atomic_store(&j->failed, 1);
         return;

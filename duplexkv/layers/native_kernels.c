@@ -264,6 +264,27 @@ int dkv_decode_attn(const float *q, float *out, const int64_t *k_base, const int
     return 0;
 }
 
+/* A step's new K and V rows appended to each sequence's own copy of its context (a mirror [KVH,
+ * cap, D], layers/staging.py) in one call instead of two tensor copies per sequence and layer. k
+ * and v are the step's rows [T, KVH, D] (element strides per row and per head; v is a view into
+ * the fused projection's output); sequence s's rows q_row[s] .. q_row[s] + n_new[s] - 1 go to
+ * positions start[s] .. of its stores dk[s] / dv[s] (addresses; head stride dhs[s], row stride
+ * drs[s], elements of `elem` bytes). Bounds are the caller's (native.py checks them). */
+void dkv_kv_append(const uint8_t *k, int64_t k_rs, int64_t k_hs, const uint8_t *v, int64_t v_rs,
+                   int64_t v_hs, int64_t nseq, const int64_t *dk, const int64_t *dv,
+                   const int64_t *dhs, const int64_t *drs, const int64_t *qrow,
+                   const int64_t *nnew, const int64_t *start, int64_t KVH, int64_t D,
+                   int64_t elem) {
+    const size_t row = (size_t)(D * elem);
+    for (int64_t s = 0; s < nseq; s++)
+        for (int64_t h = 0; h < KVH; h++)
+            for (int64_t i = 0; i < nnew[s]; i++) {
+                const int64_t dst = (h * dhs[s] + (start[s] + i) * drs[s]) * elem;
+                memcpy((uint8_t *)dk[s] + dst, k + ((qrow[s] + i) * k_rs + h * k_hs) * elem, row);
+                memcpy((uint8_t *)dv[s] + dst, v + ((qrow[s] + i) * v_rs + h * v_hs) * elem, row);
+            }
+}
+
 /* The element-wise work of a layer in float32: a decode step's few rows on the calling thread (a few
  * thousand floats, where a parallel region would cost more than the work), a prefill chunk's rows
  * in grains on the pool. A row is computed whole by one thread, the same way whatever M. */
