@@ -45,8 +45,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
 # what the build reads (the digest's): the .c file and the headers it includes
-SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in ("native_pool.h", "native_amx.h",
-                                                    "native_amx_attn.h", "native_bf16.h")))
+SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in ("native_pool.h", "native_simd.h",
+                                                    "native_amx.h", "native_amx_attn.h",
+                                                    "native_bf16.h")))
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
                  "-pthread"]
 LINK_FLAGS = ["-shared", "-pthread"]

@@ -11,8 +11,8 @@
  * Per query row at position p (its G query heads of one KV head folded into the rows of a tile):
  * keys go in blocks of AT_BK from position 0 (the same blocks whatever the call), keys past p
  * masked; per block, scores s = q . k (one TDPBF16PS per 32 dims, in order, from zero), scaled by
- * scale * log2(e); running max m, p = 2^(s - m) (a polynomial of our own, the same instructions
- * for every row), l = l * alpha + p (16 lanes, in key order), P rounded to bf16, the block's P . V
+ * scale * log2(e); running max m, p = 2^(s - m) (v16_exp2, native_simd.h: the same
+ * instructions for every row), l = l * alpha + p (16 lanes, in key order), P rounded to bf16, the block's P . V
  * (TDPBF16PS per 32 keys, from zero) added to the row's float32 accumulator scaled by alpha; at
  * the end out = acc / l rounded once to bf16. A TDPBF16PS treats each row of its A tile alone, a
  * masked key contributes an exact zero (its P is zero and its packed V is zero past the context),
@@ -32,10 +32,16 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
 #define AT_BK 64     /* keys per softmax step, blocks aligned to position 0 */
+#define AT_NC (AT_BK / 16) /* columns of 16 keys per block */
 #define AT_QB 128    /* folded query rows per task (8 tiles) */
 #define AT_MAX_D 256 /* head_dim: a multiple of 32 up to this */
 #define AT_NEG (-1e30f)
-#define AT_PF AT_BK /* rows ahead to prefetch K and V (never faults, even past the end) */
+/* Arithmetic whose rounding a row's bits depend on goes through builtins the compiler may not
+ * reassociate, contract or replace (the build uses -ffast-math, under which GCC treats plain
+ * vector + - * / as algebra): FMAs, and adds and divides with an explicit rounding mode. */
+#define AT_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define AT_ADD(a, b) _mm512_add_round_ps((a), (b), AT_RNE)
+#define AT_PF 256 /* rows ahead to prefetch K and V into L2 (never faults, even past the end) */
 
 struct at_task {
     int64_t seq, kvh, r0, r1, cost;
@@ -66,20 +72,6 @@ struct at_scratch {
     float alpha[16];
 } __attribute__((aligned(64)));
 static __thread struct at_scratch *at_buf;
-
-static inline __m512 at_exp2(__m512 x) { /* 2^x for x <= 0, ~1e-7 relative; 2^0 = 1 exactly */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* r[j][n] <- r[n][j] for a 16 x 16 matrix of 32-bit elements */
 static inline void at_transpose16(__m512i r[16]) {
@@ -119,7 +111,7 @@ static void at_pack_k(uint16_t *kp, const uint16_t *k, int64_t rs, int64_t k0, i
             __m512i r[16];
             for (int n = 0; n < 16; n++) {
                 const uint16_t *row = k + (k0 + 16 * c + n) * rs + 32 * dc;
-                _mm_prefetch((const char *)(row + AT_PF * rs), _MM_HINT_T0); /* a later block */
+                _mm_prefetch((const char *)(row + AT_PF * rs), _MM_HINT_T1); /* a later block */
                 r[n] = 16 * c + n < nv ? _mm512_loadu_si512(row) : _mm512_setzero_si512();
             }
             at_transpose16(r);
@@ -141,8 +133,8 @@ static void at_pack_v(uint16_t *vp, const uint16_t *v, int64_t rs, int64_t k0, i
             const int64_t ka = 32 * h + 2 * r, kb = ka + 1;
             const uint16_t *a = v + (k0 + ka) * rs, *b = v + (k0 + kb) * rs;
             for (int64_t c = 0; c < D; c += 32) { /* the same rows of a later block */
-                _mm_prefetch((const char *)(a + AT_PF * rs + c), _MM_HINT_T0);
-                _mm_prefetch((const char *)(b + AT_PF * rs + c), _MM_HINT_T0);
+                _mm_prefetch((const char *)(a + AT_PF * rs + c), _MM_HINT_T1);
+                _mm_prefetch((const char *)(b + AT_PF * rs + c), _MM_HINT_T1);
             }
             for (int64_t dcol = 0; dcol < dcols; dcol++) {
                 const __m256i va = ka < nv ? _mm256_loadu_si256((const __m256i *)(a + 16 * dcol))
@@ -164,9 +156,9 @@ static void at_pack_v(uint16_t *vp, const uint16_t *v, int64_t rs, int64_t k0, i
         if ((n) > 3) _tile_zero(3);                  \
     } while (0)
 
-/* one tile (rows t0 .. t0 + 15 of the task) over the packed key block at k0 */
-/* rows past `real` are padding: their softmax is skipped (their P rows stay finite, a tile row's
- * products never reach another row), their outputs never stored */
+/* one tile (rows t0 .. t0 + 15 of the task) over the packed key block at k0; rows past `real`
+ * are padding: their softmax is skipped (their P rows stay finite, and a tile row's products
+ * never reach another row), their outputs never stored */
 static void at_tile_block(const struct at_job *j, struct at_scratch *w, int64_t t0, int64_t k0,
                           int real) {
     const int64_t D = j->D, dcs = D / 32, dcols = D / 16;
@@ -178,65 +170,72 @@ static void at_tile_block(const struct at_job *j, struct at_scratch *w, int64_t 
     if (maxlim <= 0) return; /* no row reaches this block: every row would stay as it is */
     if (maxlim > AT_BK) maxlim = AT_BK;
     const int ncols = (int)((maxlim + 15) / 16), nhalves = (int)((maxlim + 31) / 32);
-    /* scores: S[16 rows][AT_BK keys], columns past ncols left stale (masked below) */
-    AT_ZERO4(ncols);
-    for (int64_t dc = 0; dc < dcs; dc++) {
-        _tile_loadd(4, w->qt + t0 * D + 32 * dc, D * 2);
-        const uint16_t *kb = w->kp + dc * 512;
-        _tile_loadd(5, kb, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        if (ncols > 1) {
-            _tile_loadd(6, kb + dcs * 512, 64);
-            _tile_dpbf16ps(1, 4, 6);
+    /* scores S[16 rows][AT_BK keys], 4 columns of 16 keys at a time; columns past ncols are left
+     * stale (masked below) */
+    for (int g = 0; g < ncols; g += 4) {
+        const int nc = ncols - g < 4 ? ncols - g : 4;
+        AT_ZERO4(nc);
+        for (int64_t dc = 0; dc < dcs; dc++) {
+            _tile_loadd(4, w->qt + t0 * D + 32 * dc, D * 2);
+            const uint16_t *kb = w->kp + (g * dcs + dc) * 512;
+            _tile_loadd(5, kb, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (nc > 1) {
+                _tile_loadd(6, kb + dcs * 512, 64);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (nc > 2) {
+                _tile_loadd(7, kb + 2 * dcs * 512, 64);
+                _tile_dpbf16ps(2, 4, 7);
+            }
+            if (nc > 3) {
+                _tile_loadd(5, kb + 3 * dcs * 512, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
         }
-        if (ncols > 2) {
-            _tile_loadd(7, kb + 2 * dcs * 512, 64);
-            _tile_dpbf16ps(2, 4, 7);
-        }
-        if (ncols > 3) {
-            _tile_loadd(5, kb + 3 * dcs * 512, 64);
-            _tile_dpbf16ps(3, 4, 5);
-        }
+        float *sg = w->s + 16 * g;
+        _tile_stored(0, sg, AT_BK * 4);
+        if (nc > 1) _tile_stored(1, sg + 16, AT_BK * 4);
+        if (nc > 2) _tile_stored(2, sg + 32, AT_BK * 4);
+        if (nc > 3) _tile_stored(3, sg + 48, AT_BK * 4);
     }
-    _tile_stored(0, w->s, AT_BK * 4);
-    if (ncols > 1) _tile_stored(1, w->s + 16, AT_BK * 4);
-    if (ncols > 2) _tile_stored(2, w->s + 32, AT_BK * 4);
-    if (ncols > 3) _tile_stored(3, w->s + 48, AT_BK * 4);
     /* softmax step per row: the same instructions for every row, masks from its position; first
-     * each row's new maximum, then the 16 rows' rescaling factors in one vector */
+     * each row's new maximum (the largest score times the scale: rounding keeps the order),
+     * then the 16 rows' rescaling factors in one vector */
     const __m512 sl = _mm512_set1_ps(j->sl), neg = _mm512_set1_ps(AT_NEG);
-    __mmask16 mk[16][4];
+    __mmask16 mk[16][AT_NC];
     float m_new[16] __attribute__((aligned(64)));
     for (int i = real; i < 16; i++) m_new[i] = w->m[t0 + i];
     for (int i = 0; i < real; i++) {
-        const int64_t lim = w->pos[t0 + i] - k0 + 1;
+        int64_t lim = w->pos[t0 + i] - k0 + 1;
+        lim = lim < 0 ? 0 : lim > AT_BK ? AT_BK : lim;
+        const uint64_t lo = _bzhi_u64(~0ull, (unsigned)(lim < 64 ? lim : 64));
+        const uint64_t hi = _bzhi_u64(~0ull, (unsigned)(lim > 64 ? lim - 64 : 0));
         __m512 mx = neg;
-        for (int c = 0; c < 4; c++) {
-            const int64_t n = lim - 16 * c;
-            mk[i][c] = n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0
-                                                            : (__mmask16)((1u << n) - 1);
-            mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(neg, mk[i][c],
-                                                      _mm512_load_ps(w->s + i * AT_BK + 16 * c), sl));
+        for (int c = 0; c < AT_NC; c++) {
+            mk[i][c] = (__mmask16)((c < 4 ? lo : hi) >> (16 * (c & 3)));
+            mx = _mm512_mask_max_ps(mx, mk[i][c], mx, _mm512_load_ps(w->s + i * AT_BK + 16 * c));
         }
-        const float bm = _mm512_reduce_max_ps(mx), m_old = w->m[t0 + i];
+        const float bm = _mm512_reduce_max_ps(mx) * j->sl, m_old = w->m[t0 + i];
         m_new[i] = bm > m_old ? bm : m_old;
     }
     const __m512 mnew = _mm512_load_ps(m_new), mold = _mm512_loadu_ps(w->m + t0);
-    _mm512_store_ps(w->alpha, at_exp2(_mm512_sub_ps(mold, mnew)));
+    _mm512_store_ps(w->alpha, v16_exp2(_mm512_sub_round_ps(mold, mnew, AT_RNE)));
     _mm512_storeu_ps(w->m + t0, mnew);
     for (int i = 0; i < real; i++) {
         const __m512 mn = _mm512_set1_ps(m_new[i]), alpha = _mm512_set1_ps(w->alpha[i]);
-        __m512 p[4];
-        for (int c = 0; c < 4; c++) {
-            const __m512 v = _mm512_mask_mul_ps(neg, mk[i][c],
-                                                _mm512_load_ps(w->s + i * AT_BK + 16 * c), sl);
-            p[c] = _mm512_maskz_mov_ps(mk[i][c], at_exp2(_mm512_sub_ps(v, mn)));
+        __m512 p[AT_NC];
+        for (int c = 0; c < AT_NC; c++) {
+            const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(w->s + i * AT_BK + 16 * c), sl, mn);
+            p[c] = _mm512_maskz_mov_ps(mk[i][c], v16_exp2(x));
         }
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));
+        for (int c = 0; c < AT_NC; c += 2)
+            _mm512_store_si512(w->p + i * AT_BK + 16 * c,
+                               (__m512i)_mm512_cvtne2ps_pbh(p[c + 1], p[c]));
+        for (int c = 1; c < AT_NC; c *= 2) /* pairwise: ((p0 + p1) + (p2 + p3)) + (...) */
+            for (int e = 0; e < AT_NC; e += 2 * c) p[e] = AT_ADD(p[e], p[e + c]);
         float *lv = w->lvec + (t0 + i) * 16;
-        _mm512_store_ps(lv, _mm512_fmadd_ps(_mm512_load_ps(lv), alpha, sum));
-        _mm512_store_si512(w->p + i * AT_BK, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
-        _mm512_store_si512(w->p + i * AT_BK + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
+        _mm512_store_ps(lv, _mm512_fmadd_ps(_mm512_load_ps(lv), alpha, p[0]));
     }
     /* P . V for the block, 4 columns of 16 dims at a time, then acc = acc * alpha + that */
     for (int64_t g0 = 0; g0 < dcols; g0 += 4) {
@@ -306,8 +305,8 @@ static void at_task_run(const struct at_job *j, struct at_scratch *w, const stru
         uint16_t *o = j->out + ((qrow + pi) * H + t->kvh * G + g) * D;
         const float *acc = w->acc + i * D;
         for (int64_t c = 0; c < D; c += 32) {
-            const __m512 lo = _mm512_div_ps(_mm512_load_ps(acc + c), l);
-            const __m512 hi = _mm512_div_ps(_mm512_load_ps(acc + c + 16), l);
+            const __m512 lo = _mm512_div_round_ps(_mm512_load_ps(acc + c), l, AT_RNE);
+            const __m512 hi = _mm512_div_round_ps(_mm512_load_ps(acc + c + 16), l, AT_RNE);
             _mm512_storeu_si512(o + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }

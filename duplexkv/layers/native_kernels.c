@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "native_pool.h"
+#include "native_simd.h"
 #include "native_amx.h"
 #include "native_amx_attn.h"
 
