@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from duplexkv.layers import amx
+from duplexkv.layers import amx, native
 from duplexkv.layers.linear import Linear
 
 
@@ -140,3 +140,36 @@ def test_bench_model_bf16_reuse_gives_whole_prompt_tokens_and_kv(tmp_path_factor
     assert hits > 3000
     assert not differ, f"(conversation, turn, chunk) with other tokens: {differ}"
     assert not kv_differ, f"(conversation, chunk) whose KV differs: {kv_differ}"
+
+
+@needs_amx
+@pytest.mark.parametrize("inter,k", [(1536, 512), (192, 64), (48, 32)])
+def test_fused_silu_gives_the_bits_of_the_product_then_the_silu_kernel(inter, k):
+    """The gate/up projection with SiLU x up in its epilogue never writes the [M, 2 I] product;
+    its result must be exactly what the plain product followed by the bf16 SiLU kernel gives,
+    for every row count (decode steps and prefill chunks)."""
+    x, w, _ = _case(700, 2 * inter, k, inter + k)
+    fused_w, plain_w = amx.pack_gate_up(w), amx.pack(w)
+    for m in (1, 7, 37, 700):
+        xm = x[:m].contiguous()
+        fused = amx.linear(xm, fused_w, 2 * inter, silu=True)
+        plain = native.silu_mul(amx.linear(xm, plain_w, 2 * inter))
+        assert fused.shape == (m, inter) and torch.equal(fused, plain), m
+    gate, up = (x.double() @ w.double().T).split(inter, dim=1)
+    ref = F.silu(gate) * up
+    assert ((fused.double() - ref).abs() <= ref.abs() * 2 ** -6 + 0.05).all()
+
+
+@needs_amx
+def test_a_gate_up_linear_packed_fused_computes_silu_mul_only():
+    _, w, _ = _case(1, 96, 64, 5)
+    lin = Linear(64, 96, bias=False).to(torch.bfloat16)
+    lin.weight.data.copy_(w)
+    x = torch.randn(3, 64).bfloat16()
+    want = native.silu_mul(lin(x))
+    assert lin.pack(gate_up=True) and lin.gate_up
+    assert torch.equal(lin.silu_mul(x), want)
+    with pytest.raises(AssertionError):
+        lin(x)  # its product is not kept: a caller must ask for silu_mul
+    biased = Linear(64, 96, bias=True).to(torch.bfloat16)
+    assert not biased.pack(gate_up=True) and not biased.gate_up  # no fused bias: stays plain

@@ -36,19 +36,32 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, n: int,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """A fused gate/up weight [2 I, K] (gate rows, then up rows) -> the layout of `pack` with
+    gate and up rows interleaved by 16, for `linear(..., silu=True)`. I % 16 == 0."""
+    n, k = weight.shape
+    if n % 32:
+        raise ValueError(f"AMX pack_gate_up: weight {tuple(weight.shape)}, 2 I not a multiple of 32")
+    gate, up = weight.view(2, n // 32, 16, k).unbind(0)
+    return pack(torch.stack([gate, up], dim=1).reshape(n, k))
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+           silu: bool = False) -> torch.Tensor:
     """x [M, K] bf16 . W^T (+ bias) -> [M, n] bf16, W packed by `pack`; the same bits for a
-    row whatever M (native_amx.h)."""
+    row whatever M (native_amx.h). With `silu` (W packed by `pack_gate_up`, n = 2 I, no bias):
+    bf16(bf16(silu(gate)) * up) [M, I], the bits of the bf16 SiLU kernel on the plain product."""
     m, k = x.shape
     if (x.dtype != torch.bfloat16 or not x.is_contiguous() or k % K_MULTIPLE
             or packed.numel() != (n + 31) // 32 * 32 * k
-            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)))):
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)))
+            or (silu and (n % 32 or bias is not None))):
         raise ValueError(f"AMX linear: x {x.dtype} {tuple(x.shape)} for {n} columns")
-    y = torch.empty(m, n, dtype=torch.bfloat16)
+    y = torch.empty(m, n // 2 if silu else n, dtype=torch.bfloat16)
     bias_ptr = None if bias is None else bias.data_ptr()
     if m and native.library().dkv_amx_linear(x.data_ptr(), packed.data_ptr(), bias_ptr,
-                                             y.data_ptr(), m, n, k, torch.get_num_threads()) != 0:
+                                             y.data_ptr(), m, n, k, int(silu),
+                                             torch.get_num_threads()) != 0:
         raise MemoryError("AMX linear: no memory for a padding buffer")
     return y
 

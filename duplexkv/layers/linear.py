@@ -85,27 +85,42 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None  # the weight in the AMX kernel's layout, once `pack`ed
     bias32: torch.Tensor | None = None
+    gate_up: bool = False  # packed as a fused gate/up weight: `silu_mul` (`pack(gate_up=True)`)
 
     def reset_parameters(self) -> None:
         pass
 
-    def pack(self, keep_weight: bool = False) -> bool:
+    def pack(self, keep_weight: bool = False, gate_up: bool = False) -> bool:
         """Compute every product with the AMX kernel from now on, if it runs here and takes this
         weight (bf16, in_features a multiple of 32). Unless `keep_weight` (a weight shared with
         another module, as a tied LM head's), the plain weight is released: the packed copy is the
-        only one. Returns whether it packed."""
+        only one. With `gate_up` (a fused [gate; up] weight, no bias, out_features % 32 == 0) the
+        module computes `silu_mul` instead of its product. Returns whether it packed."""
         w = self.weight
         if (not AMX_LINEAR or self.packed is not None or w.dtype != torch.bfloat16
-                or self.in_features % amx.K_MULTIPLE or not amx.available()):
+                or self.in_features % amx.K_MULTIPLE or not amx.available()
+                or (gate_up and (self.bias is not None or self.out_features % 32))):
             return False
-        self.packed = amx.pack(w.detach().contiguous())
+        w = w.detach().contiguous()
+        self.packed = amx.pack_gate_up(w) if gate_up else amx.pack(w)
+        self.gate_up = gate_up
         if self.bias is not None:
             self.bias32 = self.bias.detach().float()
         if not keep_weight:
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
         return True
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a fused gate/up projection packed with `gate_up`, in one kernel
+        (the product is never written out): the bits of the bf16 SiLU kernel on `forward(x)`."""
+        assert self.gate_up, "silu_mul needs pack(gate_up=True)"
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        y = amx.linear(rows, self.packed, self.out_features, silu=True)
+        return y.view(*shape[:-1], self.out_features // 2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert not self.gate_up, "a fused gate/up projection computes silu_mul, not its product"
         if self.packed is not None:
             shape = x.shape
             rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()

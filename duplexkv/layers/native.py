@@ -51,7 +51,7 @@ SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in ("native_pool.h", "native_simd
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
                  "-pthread"]
 LINK_FLAGS = ["-shared", "-pthread"]
-ABI = 4  # dkv_abi() of the source this module binds
+ABI = 5  # dkv_abi() of the source this module binds
 MAX_GROUP = 16  # native_kernels.c MAX_G
 MAX_HEAD_DIM = 512  # native_kernels.c MAX_D
 MAX_BF16_WIDTH = 32768  # native_bf16.h BF_MAX_N
@@ -120,7 +120,8 @@ def _load() -> ctypes.CDLL | None:
     lib.dkv_amx_init.restype = ctypes.c_int
     lib.dkv_amx_pack.argtypes = [_f32p, _f32p, _i64, _i64]
     lib.dkv_amx_pack.restype = None
-    lib.dkv_amx_linear.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64, _i64, _i64, ctypes.c_int]
+    lib.dkv_amx_linear.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64, _i64, _i64, ctypes.c_int,
+                                   ctypes.c_int]
     lib.dkv_amx_linear.restype = ctypes.c_int
     lib.dkv_kv_append.argtypes = [_f32p, _i64, _i64, _f32p, _i64, _i64, _i64, *[_f32p] * 7,
                                   _i64, _i64, _i64]

@@ -56,6 +56,7 @@ struct amx_job {
     const float *bias;
     uint16_t *y;
     int64_t M, N, K, mtasks; /* row blocks of 32: tasks are (column range, row block) */
+    int silu; /* fused gate/up: y[M, N / 2] = bf16(bf16(silu(gate)) * up), pairs (gate16, up16) */
     _Atomic int failed; /* a thread had no padding buffer */
 };
 
@@ -100,6 +101,13 @@ static void amx_task(const struct amx_job *j, int64_t m0, int mt, int64_t p0, in
             _tile_stored(2, &c[16][0], 128);
             _tile_stored(3, &c[16][16], 128);
         }
+        if (j->silu) { /* columns 0..15 of the pair are gate, 16..31 up, of output 16p.. */
+            for (int64_t r = 0; r < rows; r++)
+                _mm256_storeu_si256((__m256i *)(j->y + (m0 + r) * (j->N / 2) + 16 * p),
+                                    v16_silu_mul(bf_round16(_mm512_load_ps(&c[r][0])),
+                                                 bf_round16(_mm512_load_ps(&c[r][16]))));
+            continue;
+        }
         const int64_t n0 = p * 32, cols = j->N - n0 < 32 ? j->N - n0 : 32;
         const __mmask32 keep = cols == 32 ? 0xffffffffu : (1u << cols) - 1;
         __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
@@ -135,12 +143,17 @@ static void amx_tasks(void *ctx, int64_t t0, int64_t t1) {
     _tile_release();
 }
 
-/* 0, or -1 when a thread could not get its padding buffer (nothing written is then valid) */
+/* 0, or -1 when a thread could not get its padding buffer (nothing written is then valid).
+ * With `silu`, w was packed with gate and up rows interleaved by 16 (amx.py pack_gate_up), no
+ * bias, N % 32 == 0, and y is [M, N / 2]: the gate and up values round to bf16 as the plain
+ * product's would, then meet the bf16 SiLU kernel's formula (v16_silu_mul), so the fused result
+ * is the unfused one, bit for bit, without writing and re-reading the [M, N] product. */
 int dkv_amx_linear(const uint16_t *x, const uint16_t *wp, const float *bias, uint16_t *y,
-                   int64_t M, int64_t N, int64_t K, int nthreads) {
+                   int64_t M, int64_t N, int64_t K, int silu, int nthreads) {
     if (!dkv_amx_init() || K % 32 || K <= 0 || M <= 0 || N <= 0) return -1;
+    if (silu && (N % 32 || bias)) return -1;
     const int64_t mtasks = (M + 31) / 32, ctasks = ((N + 31) / 32 + AMX_NR - 1) / AMX_NR;
-    struct amx_job job = {x, wp, bias, y, M, N, K, mtasks, 0};
+    struct amx_job job = {x, wp, bias, y, M, N, K, mtasks, silu, 0};
     const int64_t count = mtasks * ctasks;
     pool_run(amx_tasks, &job, count, count / (4 * (nthreads > 0 ? nthreads : 1)), nthreads);
     return atomic_load(&job.failed) ? -1 : 0;
@@ -151,8 +164,8 @@ void dkv_amx_pack(const uint16_t *w, uint16_t *out, int64_t N, int64_t K) {
     (void)w, (void)out, (void)N, (void)K;
 }
 int dkv_amx_linear(const uint16_t *x, const uint16_t *wp, const float *bias, uint16_t *y,
-                   int64_t M, int64_t N, int64_t K, int nthreads) {
-    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads;
+                   int64_t M, int64_t N, int64_t K, int silu, int nthreads) {
+    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)silu, (void)nthreads;
     return -1;
 }
 #endif

@@ -7,6 +7,8 @@ float32, RoPE tables in float32) so float32 logits match it closely.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,9 @@ from duplexkv.layers import native
 from duplexkv.layers.attention import paged_attention
 from duplexkv.layers.linear import Linear
 from duplexkv.model.config import ModelConfig
+
+# on the AMX kernel, SiLU x up in the gate/up product's epilogue; DUPLEXKV_FUSED_SILU=0: apart (A/B)
+FUSED_SILU = os.environ.get("DUPLEXKV_FUSED_SILU", "1") != "0"
 
 
 class RMSNorm(nn.Module):
@@ -127,6 +132,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
+        if self.gate_up_proj.gate_up:  # packed for the AMX kernel: SiLU fused into the product
+            return self.down_proj(self.gate_up_proj.silu_mul(x))
         gate_up = self.gate_up_proj(x)
         if native.rows_ok(gate_up):
             return self.down_proj(native.silu_mul(gate_up))
@@ -181,9 +188,12 @@ class CausalLM(nn.Module):
 
     def pack_linears(self) -> int:
         """Pack every projection for the AMX kernel where it runs (`Linear.pack`; call after
-        loading the weights). A tied LM head keeps the embedding's weight. Returns how many."""
-        return sum(m.pack(keep_weight=m.weight is self.embed_tokens.weight)
-                   for m in self.modules() if isinstance(m, Linear))
+        loading the weights): each MLP's gate/up with SiLU x up fused in (`FUSED_SILU`). A tied
+        LM head keeps the embedding's weight. Returns how many."""
+        fused = sum(m.gate_up_proj.pack(gate_up=FUSED_SILU)
+                    for m in self.modules() if isinstance(m, MLP))
+        return fused + sum(m.pack(keep_weight=m.weight is self.embed_tokens.weight)
+                           for m in self.modules() if isinstance(m, Linear))
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
