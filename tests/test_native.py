@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from duplexkv.layers import native
+from duplexkv.layers.staging import kv_append
 
 
 def test_the_kernels_build_here():
@@ -92,18 +93,18 @@ def test_kv_append_writes_each_sequences_rows_into_its_store(dtype):
     stores = [torch.randn(2, 2, 40, 32, generator=g).to(dtype) for _ in range(3)]
     want = [st.clone() for st in stores]
     plan = [(0, 1, 7), (1, 10, 0), (11, 1, 39)]  # (first row, rows, position)
-    native.kv_append(k, v, [(st[0], st[1], r, n, p) for st, (r, n, p) in zip(stores, plan)])
+    kv_append(k, v, [(st[0], st[1], r, n, p) for st, (r, n, p) in zip(stores, plan)])
     for w, (r, n, p) in zip(want, plan):
         w[0][:, p : p + n] = k[r : r + n].transpose(0, 1)
         w[1][:, p : p + n] = v[r : r + n].transpose(0, 1)
     for st, w in zip(stores, want):
         assert torch.equal(st, w)
     with pytest.raises(ValueError, match="kv_append"):  # past the store's capacity
-        native.kv_append(k, v, [(stores[0][0], stores[0][1], 0, 2, 39)])
+        kv_append(k, v, [(stores[0][0], stores[0][1], 0, 2, 39)])
     with pytest.raises(ValueError, match="kv_append"):  # rows past the step's
-        native.kv_append(k, v, [(stores[0][0], stores[0][1], 11, 2, 0)])
+        kv_append(k, v, [(stores[0][0], stores[0][1], 11, 2, 0)])
     with pytest.raises(ValueError, match="kv_append"):  # another dtype
-        native.kv_append(k, v, [(stores[0][0].double(), stores[0][1].double(), 0, 1, 0)])
+        kv_append(k, v, [(stores[0][0].double(), stores[0][1].double(), 0, 1, 0)])
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])

@@ -75,7 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from duplexkv.layers import amx, native
-from duplexkv.layers.staging import Mirror, fill_from_pool
+from duplexkv.layers.staging import Mirror, fill_from_pool, kv_append
 
 
 @dataclass(slots=True)
@@ -136,7 +136,7 @@ def append_mirrors(pool: torch.Tensor, ctx: AttnContext, layer: int, k: torch.Te
                 fill_from_pool(m.kv[layer, kv], pool, s.block_table, layer, kv, s.start)
         stores.append((m.kv[layer, 0], m.kv[layer, 1], s.q_start, s.num_new, s.start))
     if stores:
-        native.kv_append(k, v, stores)
+        kv_append(k, v, stores)
 
 
 _CTX: AttnContext | None = None

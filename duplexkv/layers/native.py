@@ -206,34 +206,6 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
     return out
 
 
-def kv_append(k: torch.Tensor, v: torch.Tensor,
-              stores: list[tuple[torch.Tensor, torch.Tensor, int, int, int]]) -> None:
-    """The step's new K/V rows (k, v [T, KVH, D], any row and head strides, the last axis
-    contiguous) into each sequence's stores, in one call: stores[i] = (dk, dv, q_row, n_new,
-    start), dk/dv [KVH, cap, D] with the same strides; rows q_row .. q_row + n_new - 1 go to
-    positions start .. start + n_new - 1."""
-    t, kvh, d = k.shape
-    if (v.shape != k.shape or v.dtype != k.dtype or k.stride(2) != 1 or v.stride(2) != 1
-            or k.device.type != "cpu" or v.device.type != "cpu"):
-        raise ValueError(f"kv_append: k {k.dtype} {tuple(k.shape)}, v {v.dtype} {tuple(v.shape)}")
-    for dk, dv, q_row, n_new, start in stores:
-        if (dk.dtype != k.dtype or dv.dtype != k.dtype or dk.dim() != 3
-                or dk.shape[0] != kvh or dk.shape[2] != d or dv.shape != dk.shape
-                or dv.stride() != dk.stride() or dk.stride(2) != 1 or n_new < 0 or start < 0
-                or start + n_new > dk.shape[1] or q_row < 0 or q_row + n_new > t):
-            raise ValueError(f"kv_append: store {tuple(dk.shape)} (strides {dk.stride()}) for rows "
-                             f"{q_row}+{n_new} at {start} of {t}")
-    if not stores:
-        return
-    arr = _i64 * len(stores)
-    cols = [arr(*vals) for vals in zip(*((dk.data_ptr(), dv.data_ptr(), dk.stride(0), dk.stride(1),
-                                          q_row, n_new, start)
-                                         for dk, dv, q_row, n_new, start in stores))]
-    _lib.dkv_kv_append(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-                       v.stride(1), len(stores), *(ctypes.addressof(c) for c in cols), kvh, d,
-                       k.element_size())
-
-
 def attention_ok(q: torch.Tensor, num_kv: int) -> bool:
     """Whether `decode_attention` takes queries like q [T, H, D] over num_kv KV heads."""
     return (q.dtype == torch.float32 and q.shape[-1] % 8 == 0

@@ -20,9 +20,12 @@ every turn's first step.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
+
+from duplexkv.layers import native
 
 
 @dataclass(slots=True)
@@ -48,6 +51,35 @@ def fill_from_pool(dst: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, l
             torch.index_select(pool[:, layer, kv, :, h], 0, table[:full], out=out)
         if rest:
             dst[h, full * bs : num_tokens] = pool[table[full], layer, kv, :rest, h]
+
+
+def kv_append(k: torch.Tensor, v: torch.Tensor,
+              stores: list[tuple[torch.Tensor, torch.Tensor, int, int, int]]) -> None:
+    """The step's new K/V rows (k, v [T, KVH, D], any row and head strides, the last axis
+    contiguous) into each sequence's stores (mirrors) in one native call (`native.available()`
+    first; native_kernels.c dkv_kv_append): stores[i] = (dk, dv, q_row, n_new, start), dk/dv
+    [KVH, cap, D] with the same strides; rows q_row .. q_row + n_new - 1 go to positions
+    start .. start + n_new - 1."""
+    t, kvh, d = k.shape
+    if (v.shape != k.shape or v.dtype != k.dtype or k.stride(2) != 1 or v.stride(2) != 1
+            or k.device.type != "cpu" or v.device.type != "cpu"):
+        raise ValueError(f"kv_append: k {k.dtype} {tuple(k.shape)}, v {v.dtype} {tuple(v.shape)}")
+    for dk, dv, q_row, n_new, start in stores:
+        if (dk.dtype != k.dtype or dv.dtype != k.dtype or dk.dim() != 3
+                or dk.shape[0] != kvh or dk.shape[2] != d or dv.shape != dk.shape
+                or dv.stride() != dk.stride() or dk.stride(2) != 1 or n_new < 0 or start < 0
+                or start + n_new > dk.shape[1] or q_row < 0 or q_row + n_new > t):
+            raise ValueError(f"kv_append: store {tuple(dk.shape)} (strides {dk.stride()}) for rows "
+                             f"{q_row}+{n_new} at {start} of {t}")
+    if not stores:
+        return
+    arr = ctypes.c_int64 * len(stores)
+    cols = [arr(*vals) for vals in zip(*((dk.data_ptr(), dv.data_ptr(), dk.stride(0), dk.stride(1),
+                                          q_row, n_new, start)
+                                         for dk, dv, q_row, n_new, start in stores))]
+    native.library().dkv_kv_append(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
+                                   v.stride(0), v.stride(1), len(stores),
+                                   *(ctypes.addressof(c) for c in cols), kvh, d, k.element_size())
 
 
 class MirrorSet:
