@@ -125,9 +125,13 @@ static void at_pack_k(uint16_t *kp, const uint16_t *k, int64_t rs, int64_t k0, i
 static void at_pack_v(uint16_t *vp, const uint16_t *v, int64_t rs, int64_t k0, int64_t nv,
                       int64_t D) {
     const int64_t dcols = D / 16;
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                         16, 0);
+    __m512i lo_idx, hi_idx; /* (a[n], b[n]) pairs of the chunk's dims 0..15 and 16..31 */
+    {
+        uint16_t lo[32], hi[32];
+        for (int n = 0; n < 16; n++) lo[2 * n] = n, lo[2 * n + 1] = 32 + n, hi[2 * n] = 16 + n,
+                                      hi[2 * n + 1] = 48 + n;
+        lo_idx = _mm512_loadu_si512(lo), hi_idx = _mm512_loadu_si512(hi);
+    }
     for (int64_t h = 0; h < AT_BK / 32 && 32 * h < nv; h++)
         for (int r = 0; r < 16; r++) {
             const int64_t ka = 32 * h + 2 * r, kb = ka + 1;
@@ -136,14 +140,12 @@ static void at_pack_v(uint16_t *vp, const uint16_t *v, int64_t rs, int64_t k0, i
                 _mm_prefetch((const char *)(a + AT_PF * rs + c), _MM_HINT_T1);
                 _mm_prefetch((const char *)(b + AT_PF * rs + c), _MM_HINT_T1);
             }
-            for (int64_t dcol = 0; dcol < dcols; dcol++) {
-                const __m256i va = ka < nv ? _mm256_loadu_si256((const __m256i *)(a + 16 * dcol))
-                                           : _mm256_setzero_si256();
-                const __m256i vb = kb < nv ? _mm256_loadu_si256((const __m256i *)(b + 16 * dcol))
-                                           : _mm256_setzero_si256();
-                const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1);
-                _mm512_store_si512(vp + ((h * dcols + dcol) * 16 + r) * 32,
-                                   _mm512_permutexvar_epi16(idx, z));
+            for (int64_t c = 0; c < D / 32; c++) {
+                const __m512i va = ka < nv ? _mm512_loadu_si512(a + 32 * c) : _mm512_setzero_si512();
+                const __m512i vb = kb < nv ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
+                uint16_t *o = vp + ((h * dcols + 2 * c) * 16 + r) * 32;
+                _mm512_store_si512(o, _mm512_permutex2var_epi16(va, lo_idx, vb));
+                _mm512_store_si512(o + 512, _mm512_permutex2var_epi16(va, hi_idx, vb));
             }
         }
 }
