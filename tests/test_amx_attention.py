@@ -62,8 +62,10 @@ def test_a_rows_bits_do_not_depend_on_the_chunking_the_batch_threads_or_layout()
     scale = dim ** -0.5
     whole = amx.attention(q, [(k, v, 0, t, 0)], scale)
     rng = random.Random(3)
-    for _ in range(6):  # prompt split into chunks at random points: prefix cache, chunked prefill
-        cuts = [0, *sorted(rng.sample(range(1, t), 7)), t]
+    # prompt split into chunks at random points (prefix cache, chunked prefill), and into chunks
+    # of at most 16 folded rows (a lone tile, whose scores are K . Q^T, not Q . K^T)
+    small = [0, 3, 7, 8, 12, 13, 77, 80, 81, t]
+    for cuts in [small] + [[0, *sorted(rng.sample(range(1, t), 7)), t] for _ in range(6)]:
         parts = [amx.attention(q[a:b].contiguous(), [(k, v, 0, b - a, a)], scale)
                  for a, b in zip(cuts, cuts[1:])]
         assert torch.equal(torch.cat(parts), whole), cuts

@@ -60,6 +60,9 @@ struct at_job {
 /* a thread's scratch, for AT_MAX_D */
 struct at_scratch {
     uint16_t qt[AT_QB * AT_MAX_D];  /* the task's folded query rows, zero rows past the last */
+    uint16_t qtp[16 * AT_MAX_D];    /* a lone tile's queries as the B operand (K . Q^T) */
+    uint16_t kpad[16 * AT_MAX_D];   /* the last keys of a context, zero rows after them */
+    float st[16 * 16];              /* one 16 x 16 block of K . Q^T */
     float acc[AT_QB * AT_MAX_D];    /* output accumulators */
     float lvec[AT_QB * 16];         /* softmax denominators, 16 lanes per row */
     float m[AT_QB];                 /* running maxima */
@@ -161,8 +164,43 @@ static void at_pack_v(uint16_t *vp, const uint16_t *v, int64_t rs, int64_t k0, i
 /* one tile (rows t0 .. t0 + 15 of the task) over the packed key block at k0; rows past `real`
  * are padding: their softmax is skipped (their P rows stay finite, and a tile row's products
  * never reach another row), their outputs never stored */
+/* S^T = K . Q^T for the task's lone tile: K rows read in place as the A operand (no transpose of
+ * K), the queries packed once as B; each 16 x 16 block of S^T transposed into S. TDPBF16PS adds
+ * the same products in the same order whichever operand is A (q[2r] k[2r] + q[2r+1] k[2r+1] over
+ * dim pairs r, from zero), so S is bit for bit that of Q . K^T (tested: a decode row equals the
+ * same row of a whole prefill). */
+static void at_scores_t(const struct at_job *j, struct at_scratch *w, const uint16_t *k,
+                        int64_t rs, int64_t k0, int64_t ctx, int ncols) {
+    const int64_t D = j->D, dcs = D / 32;
+    for (int c = 0; c < ncols; c++) {
+        const int64_t first = k0 + 16 * c;
+        const uint16_t *a = k + first * rs;
+        int64_t stride = rs;
+        for (int n = 0; n < 16; n++) /* the same rows of a later block, as at_pack_k does */
+            for (int64_t dc = 0; dc < dcs; dc++)
+                _mm_prefetch((const char *)(a + (AT_PF + n) * rs + 32 * dc), _MM_HINT_T1);
+        if (first + 16 > ctx) { /* a tile load reads 16 rows: the context's last ones, zeros */
+            memset(w->kpad, 0, (size_t)(16 * D) * 2);
+            for (int64_t n = 0; n < ctx - first; n++)
+                memcpy(w->kpad + n * D, a + n * rs, (size_t)D * 2);
+            a = w->kpad, stride = D;
+        }
+        _tile_zero(0);
+        for (int64_t dc = 0; dc < dcs; dc++) {
+            _tile_loadd(4, a + 32 * dc, stride * 2);
+            _tile_loadd(5, w->qtp + dc * 512, 64);
+            _tile_dpbf16ps(0, 4, 5);
+        }
+        _tile_stored(0, w->st, 64);
+        __m512i r[16];
+        for (int n = 0; n < 16; n++) r[n] = _mm512_load_si512(w->st + 16 * n);
+        at_transpose16(r);
+        for (int q = 0; q < 16; q++) _mm512_store_si512(w->s + q * AT_BK + 16 * c, r[q]);
+    }
+}
+
 static void at_tile_block(const struct at_job *j, struct at_scratch *w, int64_t t0, int64_t k0,
-                          int real) {
+                          int real, const uint16_t *kt, int64_t krs, int64_t ctx) {
     const int64_t D = j->D, dcs = D / 32, dcols = D / 16;
     int64_t maxlim = 0;
     for (int i = 0; i < 16; i++) {
@@ -174,7 +212,8 @@ static void at_tile_block(const struct at_job *j, struct at_scratch *w, int64_t 
     const int ncols = (int)((maxlim + 15) / 16), nhalves = (int)((maxlim + 31) / 32);
     /* scores S[16 rows][AT_BK keys], 4 columns of 16 keys at a time; columns past ncols are left
      * stale (masked below) */
-    for (int g = 0; g < ncols; g += 4) {
+    if (kt) at_scores_t(j, w, kt, krs, k0, ctx, ncols);
+    for (int g = 0; !kt && g < ncols; g += 4) {
         const int nc = ncols - g < 4 ? ncols - g : 4;
         AT_ZERO4(nc);
         for (int64_t dc = 0; dc < dcs; dc++) {
@@ -293,12 +332,16 @@ static void at_task_run(const struct at_job *j, struct at_scratch *w, const stru
     const int64_t last = w->pos[rows - 1];
     const uint16_t *k = (const uint16_t *)j->kbase[s] + t->kvh * j->khs[s];
     const uint16_t *v = (const uint16_t *)j->vbase[s] + t->kvh * j->vhs[s];
+    /* a lone tile (decode rows) meets each key once: K . Q^T spares packing K (at_scores_t) */
+    const int lone = padded == 16;
+    if (lone) at_pack_k(w->qtp, w->qt, D, 0, 16, D);
     for (int64_t k0 = 0; k0 <= last; k0 += AT_BK) {
         const int64_t nv = ctx - k0 < AT_BK ? ctx - k0 : AT_BK;
-        at_pack_k(w->kp, k, j->krs[s], k0, nv, D);
+        if (!lone) at_pack_k(w->kp, k, j->krs[s], k0, nv, D);
         at_pack_v(w->vp, v, j->vrs[s], k0, nv, D);
         for (int64_t t0 = 0; t0 < padded; t0 += 16)
-            at_tile_block(j, w, t0, k0, rows - t0 < 16 ? (int)(rows - t0) : 16);
+            at_tile_block(j, w, t0, k0, rows - t0 < 16 ? (int)(rows - t0) : 16,
+                          lone ? k : NULL, j->krs[s], ctx);
     }
     for (int64_t i = 0; i < rows; i++) {
         const int64_t r = t->r0 + i, pi = r / G, g = r % G;
