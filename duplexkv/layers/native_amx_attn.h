@@ -12,8 +12,9 @@
  * keys go in blocks of AT_BK from position 0 (the same blocks whatever the call), keys past p
  * masked; per block, scores s = q . k (one TDPBF16PS per 32 dims, in order, from zero), scaled by
  * scale * log2(e); running max m, p = 2^(s - m) (v16_exp2, native_simd.h: the same
- * instructions for every row), l = l * alpha + p (16 lanes, in key order), P rounded to bf16, the block's P . V
- * (TDPBF16PS per 32 keys, from zero) added to the row's float32 accumulator scaled by alpha; at
+ * instructions for every row), l = l * alpha + p (16 lanes, in key order), P rounded to bf16,
+ * the block's P . V (TDPBF16PS per 32 keys, from zero) added to the row's float32 accumulator
+ * scaled by alpha (the softmax's own arithmetic in builtins -ffast-math may not rewrite); at
  * the end out = acc / l rounded once to bf16. A TDPBF16PS treats each row of its A tile alone, a
  * masked key contributes an exact zero (its P is zero and its packed V is zero past the context),
  * and a block none of a row's keys reach leaves the row exactly as it was (alpha = 2^0 = 1), so a
@@ -27,7 +28,9 @@
  * head of one sequence and up to AT_QB of its folded rows (position-major, then the group's
  * heads); it packs each key block once into the tiles' layouts (K as the B operand of Q . K^T:
  * a 16 x 16 transpose of 32-bit pairs; V as the B operand of P . V: pairs of keys interleaved)
- * and runs its query tiles over it. Tasks go to the pool costliest first.
+ * and runs its query tiles over it. A task of one tile (a decode row's heads) computes K . Q^T
+ * instead, K rows read in place, which gives the same bits (at_scores_t). K/V rows 256 ahead are
+ * prefetched into L2. Tasks go to the pool costliest first.
  */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
