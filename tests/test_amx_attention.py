@@ -113,7 +113,9 @@ def test_bad_shapes_are_refused():
         amx.attention(q, [(k, v, 5, 10, 0)], 0.125)
     with pytest.raises(ValueError):
         amx.attention(q, [], 0.125)
-    assert not amx.attention_ok(torch.zeros(1, 8, 48, dtype=torch.bfloat16), 2)  # D % 32
+    with pytest.raises(MemoryError):  # head size not a multiple of 32: the kernel refuses it
+        amx.attention(q[..., :48].contiguous(), [(k[..., :48], v[..., :48], 0, 10, 0)], 0.125)
+    assert not attention.amx_runs(torch.bfloat16, 48)  # so the engine never sends it there
 
 
 def test_engine_attention_takes_the_kernel_for_bf16():

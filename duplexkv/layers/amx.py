@@ -69,13 +69,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
 MAX_HEAD_DIM = 256  # native_amx_attn.h AT_MAX_D (and head_dim % 32 == 0)
 
 
-def attention_ok(q: torch.Tensor, num_kv: int) -> bool:
-    """Whether `attention` takes queries like q [T, H, D] over num_kv KV heads."""
-    d = q.shape[-1]
-    return (q.dtype == torch.bfloat16 and d % 32 == 0 and d <= MAX_HEAD_DIM
-            and q.shape[1] % num_kv == 0 and available())
-
-
 def attention(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor, int, int, int]],
               scale: float) -> torch.Tensor:
     """Causal attention of q [T, H, D] bf16 (the step's tokens) -> [T, H, D] bf16, every

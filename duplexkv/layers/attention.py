@@ -107,14 +107,12 @@ def write_kv(pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
     pool[ctx.slot_blocks, layer, 1, ctx.slot_offsets] = v
 
 
-def write_mirror(m: Mirror, pool: torch.Tensor, s: SeqAttn, layer: int, k: torch.Tensor,
-                 v: torch.Tensor) -> None:
-    """The sequence's new K/V [n, KVH, D] appended to its mirror (rebuilt first if needed)."""
-    for kv, x in ((0, k), (1, v)):
-        dst = m.kv[layer, kv]  # [KVH, cap, D]
-        if m.rebuild and s.start > 0:
-            fill_from_pool(dst, pool, s.block_table, layer, kv, s.start)
-        dst[:, s.start : s.ctx_len] = x.transpose(0, 1)
+def _rebuild_mirror(m: Mirror, pool: torch.Tensor, s: SeqAttn, layer: int) -> None:
+    """The layer's K/V of positions [0, start) copied from the pool into a mirror that must be
+    rebuilt this step (new, preempted, pulled from a peer)."""
+    if m.rebuild and s.start > 0:
+        for kv in (0, 1):
+            fill_from_pool(m.kv[layer, kv], pool, s.block_table, layer, kv, s.start)
 
 
 def append_mirrors(pool: torch.Tensor, ctx: AttnContext, layer: int, k: torch.Tensor,
@@ -127,14 +125,13 @@ def append_mirrors(pool: torch.Tensor, ctx: AttnContext, layer: int, k: torch.Te
         m = s.mirror
         if m is None:
             continue
-        if not native.available():
-            rows = slice(s.q_start, s.q_start + s.num_new)
-            write_mirror(m, pool, s, layer, k[rows], v[rows])
+        _rebuild_mirror(m, pool, s, layer)
+        if native.available():
+            stores.append((m.kv[layer, 0], m.kv[layer, 1], s.q_start, s.num_new, s.start))
             continue
-        if m.rebuild and s.start > 0:
-            for kv in (0, 1):
-                fill_from_pool(m.kv[layer, kv], pool, s.block_table, layer, kv, s.start)
-        stores.append((m.kv[layer, 0], m.kv[layer, 1], s.q_start, s.num_new, s.start))
+        rows = slice(s.q_start, s.q_start + s.num_new)
+        for kv, x in ((0, k[rows]), (1, v[rows])):
+            m.kv[layer, kv][:, s.start : s.ctx_len] = x.transpose(0, 1)  # [KVH, cap, D]
     if stores:
         kv_append(k, v, stores)
 
