@@ -92,7 +92,7 @@ static inline void at_transpose16(__m512i r[16]) {
         r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
         r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
     }
-    /* now r[4b + j] holds, in each 128-bit lane L, element j of rows 4b .. 4b+3 at column 4L + . */
+    /* each 128-bit lane now holds a 4 x 4 block transposed; the lanes themselves are next */
     for (int i = 0; i < 4; i++) {
         t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
         t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
