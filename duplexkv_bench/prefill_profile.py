@@ -32,6 +32,7 @@ from duplexkv import LLM, SamplingParams
 from duplexkv.engine.dtype import describe
 from duplexkv.flags import Accumulate
 from duplexkv.layers import attention as attn_mod
+from duplexkv.layers import native
 from duplexkv.model import qwen3
 
 PARTS = ["matmuls", "attention", "attn glue", "KV writes", "norms", "RoPE", "MLP act",
@@ -74,8 +75,12 @@ def instrument(llm: LLM, timer: Timer) -> None:
     attn_mod.F = _Proxy(F, scaled_dot_product_attention=timer.wrap(
         "attention", F.scaled_dot_product_attention))
     wrap_attr(attn_mod, "write_kv", "KV writes")
-    wrap_attr(attn_mod, "write_mirror", "KV writes")
+    wrap_attr(attn_mod, "append_mirrors", "KV writes")
     wrap_attr(attn_mod, "fill_from_pool", "KV writes")
+    wrap_attr(attn_mod.amx, "attention", "attention")  # bf16 on AMX: native_amx_attn.h
+    wrap_attr(native, "add_rmsnorm", "norms")  # the native element-wise kernels
+    wrap_attr(native, "qk_norm_rope", "RoPE")
+    wrap_attr(native, "silu_mul", "MLP act")
     qwen3.F = _Proxy(F, rms_norm=timer.wrap("norms", F.rms_norm),
                      silu=timer.wrap("MLP act", F.silu))
     wrap_attr(qwen3, "apply_rope", "RoPE")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,13 +16,20 @@ from duplexkv.layers import native
 from duplexkv.layers.staging import kv_append
 
 
+@pytest.fixture(autouse=True)
+def _kernels_loaded():
+    """The kernels' entry points expect their `*_ok` check to have loaded the library first; a
+    test run alone (`-k`) must not depend on an earlier test having done it."""
+    native.available()
+
+
 def test_the_kernels_build_here():
     # CI has a C compiler: a silent fallback to the PyTorch paths would hide every test below
     assert native.available(), "native kernels did not build (see the log's warning)"
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
-@pytest.mark.parametrize("n,k", [(64, 64), (67, 192), (4096, 32), (5, 8)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 8, 16])  # tiles of 4, 2 and 1 rows of x
+@pytest.mark.parametrize("n,k", [(64, 64), (67, 192), (4096, 32), (5, 16)])
 def test_linear_matches_torch(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
@@ -29,8 +38,8 @@ def test_linear_matches_torch(m, n, k):
 
 
 def test_linear_refuses_what_it_cannot_take():
-    w = torch.randn(16, 12)
-    assert not native.linear_ok(torch.randn(2, 12), w)  # K not a multiple of 8
+    w = torch.randn(16, 24)
+    assert not native.linear_ok(torch.randn(2, 24), w)  # K not a multiple of 16
     assert not native.linear_ok(torch.randn(2, 16).bfloat16(), torch.randn(4, 16).bfloat16())
     assert not native.linear_ok(torch.randn(16, 2).t(), torch.randn(4, 16))  # x not contiguous
 
@@ -42,10 +51,13 @@ def _sdpa(q, k, v, scale):
     return F.scaled_dot_product_attention(qh, k[None], v[None], scale=scale).reshape(q.shape)
 
 
-@pytest.mark.parametrize("kvh,group,d", [(1, 2, 32), (2, 4, 64), (4, 1, 16), (1, 16, 128)])
+@pytest.mark.parametrize("kvh,group,d", [(1, 2, 32), (2, 4, 64), (4, 1, 16), (1, 16, 128),
+                                         (2, 3, 80), (1, 7, 48), (1, 16, 16)])
 def test_decode_attention_matches_sdpa_over_mixed_lengths(kvh, group, d):
+    # groups and head sizes that take every register-block shape of the P.V pass (4, 2 and 1
+    # queries by 4, 2 and 1 vectors of a row, on 8- and 16-float vectors)
     g = torch.Generator().manual_seed(kvh * 100 + group * 10 + d)
-    lengths = [1, 7, 8, 255, 256, 257, 1000]  # around the kernel's 8-key and 256-key blocks
+    lengths = [1, 7, 8, 15, 16, 17, 255, 256, 257, 1000]  # around the 8/16-key and 256-key blocks
     cap = max(lengths) + 5
     mirrors = [torch.randn(2, kvh, cap, d, generator=g) for _ in lengths]  # [K/V, KVH, cap, D]
     keys = [m[0, :, :n] for m, n in zip(mirrors, lengths)]
@@ -80,6 +92,10 @@ def test_decode_attention_refuses_what_does_not_fit():
     for keys, values in bad:
         with pytest.raises(ValueError, match="native decode attention"):
             native.decode_attention(q, keys, values, 0.125)
+    kv40 = torch.randn(2, 100, 40)  # a head size the kernel's vectors do not divide
+    with pytest.raises(ValueError, match="native decode attention"):
+        native.decode_attention(torch.randn(2, 8, 40), [kv40, kv40], [kv40, kv40], 0.125)
+    assert not native.attention_ok(torch.randn(1, 8, 40), 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -292,6 +308,23 @@ def test_a_forked_child_runs_the_kernels():
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child's kernel call did not return")
+
+
+def test_the_avx2_build_is_right_on_a_cpu_with_more(tmp_path):
+    """The kernels are built for the CPU they run on, so a machine with AVX-512 never runs their
+    8-float paths (AVX2 CPUs, the project's AMD kind). Build them for Haswell here too and run the
+    float32 checks above against it, in a process of its own."""
+    if platform.machine() != "x86_64" or "avx512f" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU's own build is the AVX2 (or non-x86) one: the tests above ran it")
+    code = ("import sys, pytest\nfrom duplexkv.layers import native\n"
+            "native.COMPILE_FLAGS[native.COMPILE_FLAGS.index('-march=native')] = '-march=haswell'\n"
+            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', "
+            "'(decode or linear or rmsnorm or rope or silu) and not avx2 and not engine']))\n")
+    env = {**os.environ, "DUPLEXKV_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and (tmp_path / "kernels").is_dir()
 
 
 def test_loading_the_kernels_keeps_denormals():

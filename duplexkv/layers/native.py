@@ -47,11 +47,11 @@ SOURCE = Path(__file__).with_name("native_kernels.c")
 # what the build reads (the digest's): the .c file and the headers it includes
 SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in ("native_pool.h", "native_simd.h",
                                                     "native_amx.h", "native_amx_attn.h",
-                                                    "native_bf16.h")))
+                                                    "native_bf16.h", "native_f32_attn.h")))
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
                  "-pthread"]
 LINK_FLAGS = ["-shared", "-pthread"]
-ABI = 5  # dkv_abi() of the source this module binds
+ABI = 6  # dkv_abi() of the source this module binds
 MAX_GROUP = 16  # native_kernels.c MAX_G
 MAX_HEAD_DIM = 512  # native_kernels.c MAX_D
 MAX_BF16_WIDTH = 32768  # native_bf16.h BF_MAX_N
@@ -162,7 +162,7 @@ def _fits(t: torch.Tensor) -> bool:
 def linear_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` below takes x [M, K] . weight[N, K]^T."""
     return (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
-            and x.shape[1] % 8 == 0 and _fits(x) and _fits(weight) and available())
+            and x.shape[1] % 16 == 0 and _fits(x) and _fits(weight) and available())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -182,7 +182,8 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
     num_kv = keys[0].shape[0]
     q = q.contiguous()
     out = torch.empty_like(q)
-    if q.dtype != torch.float32 or len(keys) != b or len(values) != b:
+    if (q.dtype != torch.float32 or len(keys) != b or len(values) != b or d % 16
+            or d > MAX_HEAD_DIM or h // max(num_kv, 1) > MAX_GROUP):
         raise ValueError(f"native decode attention: q {q.dtype} {(b, h, d)} with {len(keys)} "
                          f"key and {len(values)} value tensors")
     for k, v in zip(keys, values):  # the kernel reads both through k's shape and strides
@@ -208,7 +209,7 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
 
 def attention_ok(q: torch.Tensor, num_kv: int) -> bool:
     """Whether `decode_attention` takes queries like q [T, H, D] over num_kv KV heads."""
-    return (q.dtype == torch.float32 and q.shape[-1] % 8 == 0
+    return (q.dtype == torch.float32 and q.shape[-1] % 16 == 0 and q.shape[-1] <= MAX_HEAD_DIM
             and q.shape[1] // num_kv <= MAX_GROUP and available())
 
 

@@ -5,12 +5,8 @@
  * operand) before multiplying, which for a few rows costs more than the product; here each
  * weight row is read from memory once and kept in L1 while every row of x meets it.
  *
- * dkv_decode_attn: one query token per sequence (grouped-query heads: G query heads share a
- * KV head) over that sequence's cached keys and values, every sequence of a step in one call.
- * The keys are split in chunks (flash-decoding): each (sequence, KV head, chunk) computes its
- * softmax partials, then a second pass merges a head's chunks by their maxima. A key or value
- * row j of KV head h sits at base + h * head_stride + j * row_stride floats, so a contiguous
- * mirror [KVH, cap, D] and a gathered [L, KVH, D] both fit.
+ * dkv_decode_attn (native_f32_attn.h): one query token per sequence over its cached keys and
+ * values, every sequence of a step in one call.
  *
  * Both run their work on the thread pool of native_pool.h; the element-wise kernels at the end
  * (RMSNorm, RoPE, SiLU for a decode step's few rows) run on the calling thread.
@@ -52,14 +48,57 @@ static inline v8 reduce8(const v8 a[8]) {
            __builtin_shufflevector(q[0], q[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-static inline void store_row(float *y, int64_t rows, v8 a0, v8 a1, v8 a2, v8 a3) {
-    y[0] = hsum8(a0);
-    if (rows > 1) y[1] = hsum8(a1);
-    if (rows > 2) y[2] = hsum8(a2);
-    if (rows > 3) y[3] = hsum8(a3);
+/* The float32 kernels' vectors: as wide as the build's CPU allows (16 floats on AVX-512, 8
+ * elsewhere). Head and hidden sizes the Python side passes are multiples of 16. */
+#if defined(__AVX512F__)
+#define VL 16
+#define LIN_MR 4 /* rows of x per weight block in dkv_linear: 4 x 4 accumulators of 32 registers */
+#else
+#define VL 8
+#define LIN_MR 2 /* 2 x 4 of 16 */
+#endif
+typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
+
+static inline vf loadv(const float *p) { return *(const vf *)p; }
+
+static inline float hsumv(vf a) {
+#if VL == 16
+    return _mm512_reduce_add_ps((__m512)a);
+#else
+    return hsum8(a);
+#endif
 }
 
-int dkv_abi(void) { return 5; }
+/* (sum of a[0]'s lanes, ..., sum of a[VL - 1]'s) in one vector: log2(VL) levels of
+ * shuffle-add, each halving the vectors and doubling the lanes a partial sum covers */
+static inline vf reducev(const vf a[VL]) {
+#if VL == 16
+    vf p[8], q[4], r[2];
+    for (int i = 0; i < 8; i++)
+        p[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24,
+                                       10, 26, 12, 28, 14, 30) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25,
+                                       11, 27, 13, 29, 15, 31);
+    for (int i = 0; i < 4; i++)
+        q[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9,
+                                       24, 25, 12, 13, 28, 29) +
+               __builtin_shufflevector(p[2 * i], p[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11,
+                                       26, 27, 14, 15, 30, 31);
+    for (int i = 0; i < 2; i++)
+        r[i] = __builtin_shufflevector(q[2 * i], q[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9,
+                                       10, 11, 24, 25, 26, 27) +
+               __builtin_shufflevector(q[2 * i], q[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13,
+                                       14, 15, 28, 29, 30, 31);
+    return __builtin_shufflevector(r[0], r[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                   22, 23) +
+           __builtin_shufflevector(r[0], r[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                   29, 30, 31);
+#else
+    return reduce8(a);
+#endif
+}
+
+int dkv_abi(void) { return 6; }
 
 struct linear_job {
     const float *x, *w;
@@ -67,45 +106,52 @@ struct linear_job {
     int64_t M, N, K;
 };
 
-/* weight rows [4 * b0, 4 * b1) against every row of x */
+/* mr (compile-time) rows of x against the weight rows w[0 .. rows): mr * 4 accumulators kept in
+ * registers, each weight vector loaded once for the mr rows */
+static inline __attribute__((always_inline)) void
+linear_tile(const float *x, const float *const w[4], float *y, int64_t rows, int64_t N,
+            int64_t K, const int mr, const float *pf) {
+    vf acc[LIN_MR][4] = {{{0}}};
+    for (int64_t k = 0; k < K; k += VL) {
+        if (pf) /* a later block's four rows (4 K floats), spread over this loop */
+            for (int i = 0; i < 4; i++) __builtin_prefetch(pf + 4 * k + 16 * i, 0, 2);
+        const vf u0 = loadv(w[0] + k), u1 = loadv(w[1] + k), u2 = loadv(w[2] + k),
+                 u3 = loadv(w[3] + k);
+        for (int r = 0; r < mr; r++) {
+            const vf xv = loadv(x + r * K + k);
+            acc[r][0] += u0 * xv, acc[r][1] += u1 * xv, acc[r][2] += u2 * xv, acc[r][3] += u3 * xv;
+        }
+    }
+    if (mr * 4 == VL) { /* one transposing reduction for the whole tile */
+        const vf sums = reducev(&acc[0][0]);
+        for (int r = 0; r < mr; r++)
+            for (int i = 0; i < rows; i++) y[r * N + i] = sums[r * 4 + i];
+        return;
+    }
+    for (int r = 0; r < mr; r++)
+        for (int i = 0; i < rows; i++) y[r * N + i] = hsumv(acc[r][i]);
+}
+
+/* weight rows [4 * b0, 4 * b1) against every row of x: each block of four weight rows is read
+ * from memory once and stays in L1 while the rows of x meet it, LIN_MR at a time */
 static void linear_blocks(void *ctx, int64_t b0, int64_t b1) {
     const struct linear_job *j = ctx;
-    const float *x = j->x, *w = j->w;
-    float *y = j->y;
+    const float *x = j->x;
     const int64_t M = j->M, N = j->N, K = j->K;
     for (int64_t b = b0; b < b1; b++) {
         const int64_t n0 = b * 4;
         const int64_t rows = N - n0 < 4 ? N - n0 : 4;
-        const float *w0 = w + n0 * K;
-        const float *w1 = w0 + (rows > 1 ? K : 0);
-        const float *w2 = w0 + (rows > 2 ? 2 * K : 0);
-        const float *w3 = w0 + (rows > 3 ? 3 * K : 0);
+        const float *w0 = j->w + n0 * K;
+        const float *const w[4] = {w0, w0 + (rows > 1 ? K : 0), w0 + (rows > 2 ? 2 * K : 0),
+                                   w0 + (rows > 3 ? 3 * K : 0)};
+        float *y = j->y + n0;
+        /* the block after next, prefetched while the first rows of x meet this one */
+        const float *pf = n0 + 20 <= N ? w0 + 16 * K : NULL;
         int64_t m = 0;
-        for (; m + 2 <= M; m += 2) { /* two rows of x meet the four weight rows */
-            const float *xa = x + m * K, *xb = xa + K;
-            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
-            for (int64_t k = 0; k < K; k += 8) {
-                const v8 xv = load8(xa + k), yv = load8(xb + k);
-                const v8 u0 = load8(w0 + k), u1 = load8(w1 + k), u2 = load8(w2 + k),
-                         u3 = load8(w3 + k);
-                a0 += u0 * xv, a1 += u1 * xv, a2 += u2 * xv, a3 += u3 * xv;
-                c0 += u0 * yv, c1 += u1 * yv, c2 += u2 * yv, c3 += u3 * yv;
-            }
-            store_row(y + m * N + n0, rows, a0, a1, a2, a3);
-            store_row(y + (m + 1) * N + n0, rows, c0, c1, c2, c3);
-        }
-        for (; m < M; m++) {
-            const float *xm = x + m * K;
-            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int64_t k = 0; k < K; k += 8) {
-                const v8 xv = load8(xm + k);
-                a0 += load8(w0 + k) * xv;
-                a1 += load8(w1 + k) * xv;
-                a2 += load8(w2 + k) * xv;
-                a3 += load8(w3 + k) * xv;
-            }
-            store_row(y + m * N + n0, rows, a0, a1, a2, a3);
-        }
+        for (; m + LIN_MR <= M; m += LIN_MR, pf = NULL)
+            linear_tile(x + m * K, w, y + m * N, rows, N, K, LIN_MR, pf);
+        for (; m + 2 <= M; m += 2, pf = NULL) linear_tile(x + m * K, w, y + m * N, rows, N, K, 2, pf);
+        for (; m < M; m++, pf = NULL) linear_tile(x + m * K, w, y + m * N, rows, N, K, 1, pf);
     }
 }
 
@@ -117,153 +163,7 @@ void dkv_linear(const float *x, const float *w, float *y, int64_t M, int64_t N, 
              nthreads);
 }
 
-#define MAX_G 16
-#define MAX_D 512
-#define CHUNK 256
-
-#define PREFETCH 32 /* keys ahead */
-
-static inline void prefetch_rows(const float *base, int64_t row_stride, int64_t D, int64_t rows) {
-    for (int64_t t = 0; t < rows; t++)
-        for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(base + t * row_stride + d);
-}
-
-/* One chunk of keys [j0, j1) for the G queries of one KV head: writes, per query, its maximum
- * score, the sum of exp(score - max) and the unnormalised sum of exp-weighted value rows. Eight
- * keys (and value rows) at a time meet every query while they are in L1. */
-static void attn_chunk(const float *q, const float *k, const float *v, int64_t row_stride,
-                       int64_t j0, int64_t j1, int64_t G, int64_t D, float scale, float *part) {
-    float s[MAX_G][CHUNK] __attribute__((aligned(32)));
-    const int64_t n = j1 - j0, full = n / 8 * 8;
-    const float *kc = k + j0 * row_stride, *vc = v + j0 * row_stride;
-    for (int64_t j = 0; j < full; j += 8) {
-        if (j + PREFETCH + 8 <= n)
-            prefetch_rows(kc + (j + PREFETCH) * row_stride, row_stride, D, 8);
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = q + g * D;
-            v8 acc[8] = {{0}};
-            for (int64_t d = 0; d < D; d += 8) {
-                const v8 qv = load8(qg + d);
-                for (int t = 0; t < 8; t++) acc[t] += qv * load8(kc + (j + t) * row_stride + d);
-            }
-            *(v8 *)(s[g] + j) = reduce8(acc) * scale;
-        }
-    }
-    for (int64_t g = 0; g < G; g++) {
-        const float *qg = q + g * D;
-        for (int64_t j = full; j < n; j++) {
-            v8 acc = {0};
-            for (int64_t d = 0; d < D; d += 8)
-                acc += load8(qg + d) * load8(kc + j * row_stride + d);
-            s[g][j] = hsum8(acc) * scale;
-        }
-        float mx = -FLT_MAX, sum = 0.0f;
-        for (int64_t j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; j++) {
-            s[g][j] = expf(s[g][j] - mx);
-            sum += s[g][j];
-        }
-        float *pg = part + g * (D + 2);
-        pg[0] = mx;
-        pg[1] = sum;
-    }
-    for (int64_t g = 0; g < G; g++) {
-        float *pg = part + g * (D + 2);
-        for (int64_t d0 = 0; d0 < D; d0 += 64) { /* up to eight vectors of the output at once */
-            const int64_t w = D - d0 < 64 ? (D - d0) / 8 : 8;
-            v8 acc[8] = {{0}};
-            for (int64_t j = 0; j < n; j++) {
-                const float p = s[g][j];
-                const float *vj = vc + j * row_stride + d0;
-                for (int64_t c = 0; c < w; c++) acc[c] += load8(vj + 8 * c) * p;
-            }
-            for (int64_t c = 0; c < w; c++) memcpy(pg + 2 + d0 + 8 * c, &acc[c], sizeof(v8));
-        }
-    }
-}
-
-struct attn_job {
-    const float *q;
-    float *out;
-    const int64_t *k_base, *v_base, *head_stride, *row_stride, *length, *first;
-    float *parts;
-    int64_t KVH, G, D;
-    float scale;
-};
-
-/* units [u0, u1): (sequence, KV head, chunk of keys) -> softmax partials */
-static void attn_units(void *ctx, int64_t u0, int64_t u1) {
-    const struct attn_job *j = ctx;
-    const int64_t KVH = j->KVH, G = j->G, D = j->D, part_len = G * (D + 2);
-    int64_t b = 0;
-    for (int64_t u = u0; u < u1; u++) {
-        while (j->first[b + 1] <= u) b++;
-        const int64_t chunks = (j->length[b] + CHUNK - 1) / CHUNK;
-        const int64_t h = (u - j->first[b]) / chunks, c = (u - j->first[b]) % chunks;
-        const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < j->length[b] ? j0 + CHUNK : j->length[b];
-        const float *kh = (const float *)(intptr_t)j->k_base[b] + h * j->head_stride[b];
-        const float *vh = (const float *)(intptr_t)j->v_base[b] + h * j->head_stride[b];
-        attn_chunk(j->q + (b * KVH + h) * G * D, kh, vh, j->row_stride[b], j0, j1, G, D,
-                   j->scale, j->parts + u * part_len);
-    }
-}
-
-/* (sequence, KV head) pairs [p0, p1): their chunks' partials merged by their maxima */
-static void attn_merge(void *ctx, int64_t p0, int64_t p1) {
-    const struct attn_job *j = ctx;
-    const int64_t KVH = j->KVH, G = j->G, D = j->D, part_len = G * (D + 2);
-    for (int64_t bh = p0; bh < p1; bh++) {
-        const int64_t b = bh / KVH, h = bh % KVH;
-        const int64_t chunks = (j->length[b] + CHUNK - 1) / CHUNK;
-        const float *p = j->parts + (j->first[b] + h * chunks) * part_len;
-        for (int64_t g = 0; g < G; g++) {
-            float mx = -FLT_MAX, sum = 0.0f;
-            for (int64_t c = 0; c < chunks; c++) {
-                const float m = p[c * part_len + g * (D + 2)];
-                mx = m > mx ? m : mx;
-            }
-            float *o = j->out + (bh * G + g) * D;
-            memset(o, 0, (size_t)D * sizeof(float));
-            for (int64_t c = 0; c < chunks; c++) {
-                const float *pg = p + c * part_len + g * (D + 2);
-                const float w = expf(pg[0] - mx);
-                sum += w * pg[1];
-                for (int64_t d = 0; d < D; d++) o[d] += w * pg[2 + d];
-            }
-            const float inv = 1.0f / sum;
-            for (int64_t d = 0; d < D; d++) o[d] *= inv;
-        }
-    }
-}
-
-/* q, out: [B, KVH * G, D] contiguous. Per sequence b: k_base[b], v_base[b] (addresses),
- * head_stride[b], row_stride[b] (floats), length[b] >= 1. Returns 0, or -1 if out of memory
- * or the shape is beyond the kernel's limits (G > MAX_G, D % 8 != 0). */
-int dkv_decode_attn(const float *q, float *out, const int64_t *k_base, const int64_t *v_base,
-                    const int64_t *head_stride, const int64_t *row_stride, const int64_t *length,
-                    int64_t B, int64_t KVH, int64_t G, int64_t D, float scale, int nthreads) {
-    if (G > MAX_G || D % 8 != 0 || B <= 0) return -1;
-    int64_t *first = malloc((size_t)(B + 1) * sizeof(int64_t)); /* first unit of sequence b */
-    if (!first) return -1;
-    first[0] = 0;
-    for (int64_t b = 0; b < B; b++)
-        first[b + 1] = first[b] + KVH * ((length[b] + CHUNK - 1) / CHUNK);
-    const int64_t units = first[B];
-    const int64_t part_len = G * (D + 2);
-    float *parts = malloc((size_t)units * part_len * sizeof(float));
-    if (!parts) {
-        free(first);
-        return -1;
-    }
-    struct attn_job job = {q, out, k_base, v_base, head_stride, row_stride, length, first,
-                           parts, KVH, G, D, scale};
-    pool_run(attn_units, &job, units, 1, nthreads);
-    pool_run(attn_merge, &job, B * KVH, 1, nthreads);
-    free(parts);
-    free(first);
-    return 0;
-}
+#include "native_f32_attn.h"
 
 /* A step's new K and V rows appended to each sequence's own copy of its context (a mirror [KVH,
  * cap, D], layers/staging.py) in one call instead of two tensor copies per sequence and layer. k

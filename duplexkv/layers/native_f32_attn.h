@@ -1,0 +1,229 @@
+/* dkv_decode_attn: float32 decode attention, one query token per sequence (grouped-query heads: G
+ * query heads share a KV head) over that sequence's cached keys and values, every sequence of a
+ * step in one call (native.py `decode_attention`).
+ *
+ * The keys are split in chunks of CHUNK (flash-decoding): each unit (sequence, KV head, chunk)
+ * computes its softmax partials in three passes over the chunk, then a second job merges a head's
+ * chunks by their maxima. A key or value row j of KV head h sits at base + h * head_stride +
+ * j * row_stride floats, so a contiguous mirror [KVH, cap, D] and a gathered [L, KVH, D] both fit.
+ *
+ *   scores   VL keys at a time meet each of the G queries while they are in L1 (their dot
+ *            products summed across lanes by one transposing reduction); the chunk's value rows
+ *            are prefetched meanwhile, so memory keeps streaming while the later passes compute
+ *   softmax  the chunk's maximum and exponentials, per query
+ *   P . V    each value row read once for up to FA_ACC / vectors-per-row queries, their
+ *            accumulators in registers (pv_block, specialised by shape)
+ *
+ * Vectors are as wide as the build's CPU allows: 16 floats on AVX-512 (scores in log2 units and
+ * exp2 by v16_exp2, native_simd.h), 8 elsewhere (glibc's vector expf). A unit's grain of chunks
+ * is claimed whole, so a thread walks one head's keys in order (the hardware prefetcher's best
+ * case). The head size must be a multiple of 16 (native.py `attention_ok`).
+ */
+#define MAX_G 16
+#define MAX_D 512
+#define CHUNK 256
+#define PREFETCH 32 /* key rows ahead */
+
+#if VL == 16 /* the build's vector width (native_kernels.c) */
+#define FA_ACC 16 /* P.V accumulators kept in registers (of 32) */
+#define FA_LOG2E 1.4426950408889634f
+#define FA_EXP_SCALAR exp2f
+#else
+#define FA_ACC 8 /* of 16 */
+#define FA_LOG2E 1.0f
+#define FA_EXP_SCALAR expf
+#endif
+
+/* key rows ahead into L1 (locality 3), the chunk's value rows into L2 (2): L1 hints for the
+ * values were 8 % slower (bench model, 8 x 4k, AMX Xeon) */
+#define KHINT 3
+#define VHINT 2
+#define prefetch_rows(base, row_stride, D, rows, hint)                                         \
+    for (int64_t t_ = 0; t_ < (rows); t_++)                                                    \
+        for (int64_t d_ = 0; d_ < (D); d_ += 16)                                               \
+            __builtin_prefetch((base) + t_ * (row_stride) + d_, 0, hint)
+
+/* The chunk's scores times its value rows for queries g0 .. g0 + gb - 1 and vectors c0 .. c0 +
+ * db - 1 of the row: gb * db accumulators that stay in registers (db, gb: compile-time) */
+static inline __attribute__((always_inline)) void
+pv_block(float s[][CHUNK], const float *vc, int64_t row_stride, int64_t n, int64_t g0,
+         int64_t c0, const int db, const int gb, float *part, int64_t D) {
+    vf acc[4][4] = {{{0}}};
+    for (int64_t j = 0; j < n; j++) {
+        const float *vj = vc + j * row_stride + c0 * VL;
+        vf vv[4];
+        for (int c = 0; c < db; c++) vv[c] = loadv(vj + c * VL);
+        for (int g = 0; g < gb; g++) {
+            const float p = s[g0 + g][j];
+            for (int c = 0; c < db; c++) acc[g][c] += vv[c] * p;
+        }
+    }
+    for (int g = 0; g < gb; g++)
+        for (int c = 0; c < db; c++)
+            memcpy(part + (g0 + g) * (D + 2) + 2 + (c0 + c) * VL, &acc[g][c], sizeof(vf));
+}
+
+/* One chunk of keys [j0, j1) for the G queries of one KV head: writes, per query, its maximum
+ * score, the sum of exp(score - max) and the unnormalised sum of exp-weighted value rows (scores
+ * in log2 units where exp is exp2: FA_LOG2E). */
+static void attn_chunk(const float *q, const float *k, const float *v, int64_t row_stride,
+                       int64_t j0, int64_t j1, int64_t G, int64_t D, float scale, float *part) {
+    float s[MAX_G][CHUNK] __attribute__((aligned(64)));
+    const int64_t n = j1 - j0, full = n / VL * VL, nv = D / VL;
+    const float *kc = k + j0 * row_stride, *vc = v + j0 * row_stride;
+    const float sc = scale * FA_LOG2E;
+    for (int64_t j = 0; j < full; j += VL) {
+        if (j + PREFETCH + VL <= n)
+            prefetch_rows(kc + (j + PREFETCH) * row_stride, row_stride, D, VL, KHINT);
+        prefetch_rows(vc + j * row_stride, row_stride, D, VL, VHINT); /* for the P.V pass */
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = q + g * D;
+            vf acc[VL] = {{0}};
+            for (int64_t c = 0; c < nv; c++) {
+                const vf qv = loadv(qg + c * VL);
+                for (int t = 0; t < VL; t++)
+                    acc[t] += qv * loadv(kc + (j + t) * row_stride + c * VL);
+            }
+            *(vf *)(s[g] + j) = reducev(acc) * sc;
+        }
+    }
+    if (full < n) prefetch_rows(vc + full * row_stride, row_stride, D, n - full, VHINT);
+    for (int64_t g = 0; g < G; g++) {
+        const float *qg = q + g * D;
+        for (int64_t j = full; j < n; j++) {
+            vf acc = {0};
+            for (int64_t c = 0; c < nv; c++)
+                acc += loadv(qg + c * VL) * loadv(kc + j * row_stride + c * VL);
+            s[g][j] = hsumv(acc) * sc;
+        }
+        float mx = -FLT_MAX, sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
+#if VL == 16
+        const __m512 m = _mm512_set1_ps(mx);
+        __m512 tot = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j < full; j += 16) {
+            const __m512 e = v16_exp2(_mm512_sub_ps(_mm512_load_ps(s[g] + j), m));
+            _mm512_store_ps(s[g] + j, e);
+            tot = _mm512_add_ps(tot, e);
+        }
+        sum = _mm512_reduce_add_ps(tot);
+        for (; j < n; j++) {
+            s[g][j] = exp2f(s[g][j] - mx);
+            sum += s[g][j];
+        }
+#else
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; j++) {
+            s[g][j] = expf(s[g][j] - mx);
+            sum += s[g][j];
+        }
+#endif
+        float *pg = part + g * (D + 2);
+        pg[0] = mx;
+        pg[1] = sum;
+    }
+    for (int64_t c0 = 0; c0 < nv;) {
+        const int db = nv - c0 >= 4 ? 4 : nv - c0 >= 2 ? 2 : 1;
+        for (int64_t g0 = 0; g0 < G;) {
+            const int left = (int)(G - g0);
+            const int gb = left >= 4 && 4 * db <= FA_ACC ? 4 : left >= 2 && 2 * db <= FA_ACC ? 2 : 1;
+            switch (db * 8 + gb) { /* constant shapes, so the accumulators stay in registers */
+            case 4 * 8 + 4: pv_block(s, vc, row_stride, n, g0, c0, 4, 4, part, D); break;
+            case 4 * 8 + 2: pv_block(s, vc, row_stride, n, g0, c0, 4, 2, part, D); break;
+            case 4 * 8 + 1: pv_block(s, vc, row_stride, n, g0, c0, 4, 1, part, D); break;
+            case 2 * 8 + 4: pv_block(s, vc, row_stride, n, g0, c0, 2, 4, part, D); break;
+            case 2 * 8 + 2: pv_block(s, vc, row_stride, n, g0, c0, 2, 2, part, D); break;
+            case 2 * 8 + 1: pv_block(s, vc, row_stride, n, g0, c0, 2, 1, part, D); break;
+            case 1 * 8 + 4: pv_block(s, vc, row_stride, n, g0, c0, 1, 4, part, D); break;
+            case 1 * 8 + 2: pv_block(s, vc, row_stride, n, g0, c0, 1, 2, part, D); break;
+            default: pv_block(s, vc, row_stride, n, g0, c0, 1, 1, part, D); break;
+            }
+            g0 += gb;
+        }
+        c0 += db;
+    }
+}
+
+struct attn_job {
+    const float *q;
+    float *out;
+    const int64_t *k_base, *v_base, *head_stride, *row_stride, *length, *first;
+    float *parts;
+    int64_t KVH, G, D;
+    float scale;
+};
+
+/* units [u0, u1): (sequence, KV head, chunk of keys) -> softmax partials */
+static void attn_units(void *ctx, int64_t u0, int64_t u1) {
+    const struct attn_job *j = ctx;
+    const int64_t KVH = j->KVH, G = j->G, D = j->D, part_len = G * (D + 2);
+    int64_t b = 0;
+    for (int64_t u = u0; u < u1; u++) {
+        while (j->first[b + 1] <= u) b++;
+        const int64_t chunks = (j->length[b] + CHUNK - 1) / CHUNK;
+        const int64_t h = (u - j->first[b]) / chunks, c = (u - j->first[b]) % chunks;
+        const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < j->length[b] ? j0 + CHUNK : j->length[b];
+        const float *kh = (const float *)(intptr_t)j->k_base[b] + h * j->head_stride[b];
+        const float *vh = (const float *)(intptr_t)j->v_base[b] + h * j->head_stride[b];
+        attn_chunk(j->q + (b * KVH + h) * G * D, kh, vh, j->row_stride[b], j0, j1, G, D,
+                   j->scale, j->parts + u * part_len);
+    }
+}
+
+/* (sequence, KV head) pairs [p0, p1): their chunks' partials merged by their maxima */
+static void attn_merge(void *ctx, int64_t p0, int64_t p1) {
+    const struct attn_job *j = ctx;
+    const int64_t KVH = j->KVH, G = j->G, D = j->D, part_len = G * (D + 2);
+    for (int64_t bh = p0; bh < p1; bh++) {
+        const int64_t b = bh / KVH, h = bh % KVH;
+        const int64_t chunks = (j->length[b] + CHUNK - 1) / CHUNK;
+        const float *p = j->parts + (j->first[b] + h * chunks) * part_len;
+        for (int64_t g = 0; g < G; g++) {
+            float mx = -FLT_MAX, sum = 0.0f;
+            for (int64_t c = 0; c < chunks; c++) {
+                const float m = p[c * part_len + g * (D + 2)];
+                mx = m > mx ? m : mx;
+            }
+            float *o = j->out + (bh * G + g) * D;
+            memset(o, 0, (size_t)D * sizeof(float));
+            for (int64_t c = 0; c < chunks; c++) {
+                const float *pg = p + c * part_len + g * (D + 2);
+                const float w = FA_EXP_SCALAR(pg[0] - mx);
+                sum += w * pg[1];
+                for (int64_t d = 0; d < D; d++) o[d] += w * pg[2 + d];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        }
+    }
+}
+
+/* q, out: [B, KVH * G, D] contiguous. Per sequence b: k_base[b], v_base[b] (addresses),
+ * head_stride[b], row_stride[b] (floats), length[b] >= 1. Returns 0, or -1 if out of memory
+ * or the shape is beyond the kernel's limits (G > MAX_G, D % 16 != 0, D > MAX_D). */
+int dkv_decode_attn(const float *q, float *out, const int64_t *k_base, const int64_t *v_base,
+                    const int64_t *head_stride, const int64_t *row_stride, const int64_t *length,
+                    int64_t B, int64_t KVH, int64_t G, int64_t D, float scale, int nthreads) {
+    if (G > MAX_G || G < 1 || D % 16 != 0 || D > MAX_D || B <= 0) return -1;
+    int64_t *first = malloc((size_t)(B + 1) * sizeof(int64_t)); /* first unit of sequence b */
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++)
+        first[b + 1] = first[b] + KVH * ((length[b] + CHUNK - 1) / CHUNK);
+    const int64_t units = first[B];
+    const int64_t part_len = G * (D + 2);
+    float *parts = malloc((size_t)units * part_len * sizeof(float));
+    if (!parts) {
+        free(first);
+        return -1;
+    }
+    struct attn_job job = {q, out, k_base, v_base, head_stride, row_stride, length, first,
+                           parts, KVH, G, D, scale};
+    const int threads = nthreads > 0 ? nthreads : 1;
+    pool_run(attn_units, &job, units, units / (8 * threads), nthreads);
+    pool_run(attn_merge, &job, B * KVH, 1, nthreads);
+    free(parts);
+    free(first);
+    return 0;
+}
