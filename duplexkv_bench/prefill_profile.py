@@ -78,6 +78,7 @@ def instrument(llm: LLM, timer: Timer) -> None:
     wrap_attr(attn_mod, "append_mirrors", "KV writes")
     wrap_attr(attn_mod, "fill_from_pool", "KV writes")
     wrap_attr(attn_mod.amx, "attention", "attention")  # bf16 on AMX: native_amx_attn.h
+    wrap_attr(attn_mod.causal_kernel, "f32_attention", "attention")  # float32: native_f32_prefill.h
     wrap_attr(native, "add_rmsnorm", "norms")  # the native element-wise kernels
     wrap_attr(native, "qk_norm_rope", "RoPE")
     wrap_attr(native, "silu_mul", "MLP act")

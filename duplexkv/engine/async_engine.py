@@ -21,7 +21,7 @@ from typing import AsyncIterator, Callable
 
 from duplexkv.wire.kv_params import KVTransferParams
 from duplexkv.engine.llm_engine import LLMEngine, RequestOutput
-from duplexkv.engine.memory import HeapTrimmer
+from duplexkv.engine.memory import HeapTrimmer, tune_heap
 from duplexkv.engine.state import EngineSnapshot
 from duplexkv.wire.sampling import SamplingParams
 
@@ -68,6 +68,7 @@ class AsyncEngine:
         # called (on the engine thread) once the engine has died and every client was told;
         # the server uses it to exit non-zero so that a supervisor restarts the worker
         self.on_dead: Callable[[str], None] | None = None
+        tune_heap()  # the process's heap keeps what a step frees until the trimmer returns it
         self.trimmer = HeapTrimmer()
         self.last_snapshot: EngineSnapshot | None = None  # published by the engine thread
         self.snapshot_at = 0.0  # time.monotonic() of last_snapshot

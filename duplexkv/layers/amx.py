@@ -7,11 +7,9 @@ any number of rows runs `linear` on the kernels' own threads.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from duplexkv.layers import native
+from duplexkv.layers import causal_kernel, native
 
 K_MULTIPLE = 32  # native_amx.h: K a multiple of this
 _amx: bool | None = None
@@ -69,35 +67,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
 MAX_HEAD_DIM = 256  # native_amx_attn.h AT_MAX_D (and head_dim % 32 == 0)
 
 
-def attention(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor, int, int, int]],
-              scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, seqs: list[causal_kernel.Seq], scale: float) -> torch.Tensor:
     """Causal attention of q [T, H, D] bf16 (the step's tokens) -> [T, H, D] bf16, every
-    sequence in one call (native_amx_attn.h). seqs[i] = (k, v, q_row, n_new, start): k/v
-    [KVH, >= start + n_new, D] views (any head and row strides, the last axis
-    contiguous) holding positions 0 .. start + n_new - 1; the sequence's n_new query rows
-    from q_row sit at positions start ... A row's bits depend on its own query, keys and values
-    only, whatever the split of its keys into steps or the other rows of the call."""
-    t, h, d = q.shape
-    if q.dtype != torch.bfloat16 or not q.is_contiguous() or not seqs:
+    sequence in one call (native_amx_attn.h; seqs as causal_kernel.py describes them). A row's
+    bits depend on its own query, keys and values only, whatever the split of its keys into
+    steps or the other rows of the call."""
+    if q.dtype != torch.bfloat16:
         raise ValueError(f"AMX attention: q {q.dtype} {tuple(q.shape)}, {len(seqs)} sequences")
-    num_kv = seqs[0][0].shape[0]
-    for k, v, q_row, n_new, start in seqs:
-        if (k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or k.dim() != 3
-                or k.shape[0] != num_kv or k.shape[2] != d or v.shape[0] != num_kv
-                or v.shape[2] != d or k.stride(2) != 1 or v.stride(2) != 1
-                or k.shape[1] < start + n_new or v.shape[1] < start + n_new or n_new < 1
-                or start < 0 or q_row < 0 or q_row + n_new > t):
-            raise ValueError(f"AMX attention: K/V {tuple(k.shape)}/{tuple(v.shape)} (strides "
-                             f"{k.stride()}/{v.stride()}) for rows {q_row}+{n_new} at {start}")
-    n = len(seqs)
-    arr = ctypes.c_int64 * n
-    cols = [arr(*vals) for vals in zip(*((k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
-                                          v.stride(0), v.stride(1), q_row, n_new, start)
-                                         for k, v, q_row, n_new, start in seqs))]
-    out = torch.empty_like(q)
-    rc = native.library().dkv_amx_attention(q.data_ptr(), out.data_ptr(), n,
-                                            *(ctypes.addressof(c) for c in cols), h, num_kv, d,
-                                            scale, torch.get_num_threads())
-    if rc != 0:
-        raise MemoryError("AMX attention: unsupported shape or no memory for a thread's scratch")
-    return out
+    return causal_kernel.run(native.library().dkv_amx_attention, "AMX attention", q, seqs, scale)

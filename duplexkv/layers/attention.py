@@ -15,7 +15,11 @@ attends with `scaled_dot_product_attention`:
     is_causal, and the two partial results are merged by their log-sum-exp (exactly the
     lower-right causal attention, but both halves run SDPA's fast kernel; a mask is 2-3x slower)
 
-That is float32's way (and any dtype's where this torch lacks the flash kernel with log-sum-exp);
+That is float32's way where our kernels are not built (and any dtype's where this torch lacks the
+flash kernel with log-sum-exp). float32 prefill chunks on a CPU with AVX-512 run every sequence of
+a step in one call of native_f32_prefill.h instead (`causal_kernel.f32_attention`: no expanded KV
+heads, no merge; bench model, 8k tokens: ~0.8x SDPA's time), float32 decode rows
+native_f32_attn.h; DUPLEXKV_F32_ATTENTION=0 keeps SDPA for prefill (A/B).
 bf16/fp16 take a chunking-invariant path instead: on a CPU with AMX, bf16 runs every sequence of
 a step in one call of our own kernel (native_amx_attn.h, `_amx_step`), invariant by construction;
 elsewhere `_blocked` below makes PyTorch's flash kernel invariant.
@@ -74,7 +78,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from duplexkv.layers import amx, native
+from duplexkv.layers import amx, causal_kernel, native
 from duplexkv.layers.staging import Mirror, fill_from_pool, kv_append
 
 
@@ -144,6 +148,8 @@ KEY_BLOCK = 512  # reduced precision: a query's keys go to the kernel in blocks 
 MIN_ROWS = 4  # reduced precision: at least this many query rows per kernel call (see _blocked)
 # bf16 on AMX runs native_amx_attn.h; DUPLEXKV_AMX_ATTENTION=0 keeps `_blocked` (A/B, tests)
 AMX_ATTENTION = os.environ.get("DUPLEXKV_AMX_ATTENTION", "1") != "0"
+# float32 prefill chunks run native_f32_prefill.h where built; DUPLEXKV_F32_ATTENTION=0: SDPA
+F32_ATTENTION = os.environ.get("DUPLEXKV_F32_ATTENTION", "1") != "0"
 
 
 def shape_step(dtype: torch.dtype) -> int:
@@ -370,11 +376,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
         return _amx_step(q, k, v, pool, layer, scale, ctx)
     group = q.shape[1] // num_kv
     step = shape_step(q.dtype)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)  # contiguous: the native kernels write into it
     use_native = native.attention_ok(q, num_kv)
     inv = invariant(q.dtype)
     decode_rows, decode_k, decode_v = [], [], []  # one-token sequences for the native kernel
     inv_rows, inv_k, inv_v, inv_pos = [], [], [], []  # one-token sequences, invariant path
+    f32_prefill = not inv and F32_ATTENTION and causal_kernel.f32_ok(q, num_kv)
+    prefills: list[causal_kernel.Seq] = []  # float32 prefill chunks for the native kernel
     append_mirrors(pool, ctx, layer, k, v)
     for s in ctx.seqs:
         rows = slice(s.q_start, s.q_start + s.num_new)
@@ -394,6 +402,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
                 sv = _gather(pool, s, layer, 1, num_kv, k.shape[-1])[: s.ctx_len]
             # SDPA's fast CPU kernel needs 4-D [batch, heads, len, dim]; 3-D takes the math path
             sk, sv = sk.transpose(0, 1)[None], sv.transpose(0, 1)[None]  # [1, KVH, S, D]
+        if f32_prefill and s.num_new > 1:  # every prefill chunk of the step at once, below
+            prefills.append((sk[0], sv[0], s.q_start, s.num_new, s.start))
+            continue
         if inv and s.num_new == 1:  # decode rows: all of the step's at once, below
             inv_rows.append(s.q_start)
             inv_k.append(sk)
@@ -426,6 +437,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
                 _pad_len(qh, 0, pad), _pad_len(sk, 0, pad), _pad_len(sv, 0, pad),
                 attn_mask=s.mask, is_causal=s.mask is None, scale=scale)
             out[rows] = o[0, :, : s.num_new].transpose(0, 1)
+    if prefills:
+        causal_kernel.f32_attention(q.contiguous(), prefills, scale, out)
     if decode_rows:
         _native_decode(q, out, decode_rows, decode_k, decode_v, scale)
     if len(inv_rows) == 1:  # one sequence: its own call is cheaper than the batch's gathers

@@ -47,7 +47,8 @@ SOURCE = Path(__file__).with_name("native_kernels.c")
 # what the build reads (the digest's): the .c file and the headers it includes
 SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in ("native_pool.h", "native_simd.h",
                                                     "native_amx.h", "native_amx_attn.h",
-                                                    "native_bf16.h", "native_f32_attn.h")))
+                                                    "native_bf16.h", "native_f32_attn.h",
+                                                    "native_f32_prefill.h")))
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
                  "-pthread"]
 LINK_FLAGS = ["-shared", "-pthread"]
@@ -129,6 +130,10 @@ def _load() -> ctypes.CDLL | None:
     lib.dkv_amx_attention.argtypes = [_f32p, _f32p, _i64, *[_f32p] * 9, _i64, _i64, _i64,
                                       ctypes.c_float, ctypes.c_int]
     lib.dkv_amx_attention.restype = ctypes.c_int
+    lib.dkv_f32_attention_ok.argtypes = []
+    lib.dkv_f32_attention_ok.restype = ctypes.c_int
+    lib.dkv_f32_attention.argtypes = lib.dkv_amx_attention.argtypes
+    lib.dkv_f32_attention.restype = ctypes.c_int
     return lib
 
 

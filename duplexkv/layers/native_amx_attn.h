@@ -79,34 +79,6 @@ struct at_scratch {
 } __attribute__((aligned(64)));
 static __thread struct at_scratch *at_buf;
 
-/* r[j][n] <- r[n][j] for a 16 x 16 matrix of 32-bit elements */
-static inline void at_transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    /* each 128-bit lane now holds a 4 x 4 block transposed; the lanes themselves are next */
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-    }
-}
-
 /* the keys [k0, k0 + AT_BK) below `nv` of one KV head into kp (zeros past nv):
  * kp[c][dc] (1 KiB tile) = [16 dim pairs r][16 keys n][2], key k0 + 16c + n, dims 32dc + 2r .. */
 static void at_pack_k(uint16_t *kp, const uint16_t *k, int64_t rs, int64_t k0, int64_t nv,
@@ -120,7 +92,7 @@ static void at_pack_k(uint16_t *kp, const uint16_t *k, int64_t rs, int64_t k0, i
                 _mm_prefetch((const char *)(row + AT_PF * rs), _MM_HINT_T1); /* a later block */
                 r[n] = 16 * c + n < nv ? _mm512_loadu_si512(row) : _mm512_setzero_si512();
             }
-            at_transpose16(r);
+            v16_transpose16(r);
             uint16_t *o = kp + (c * dcs + dc) * 512;
             for (int j = 0; j < 16; j++) _mm512_store_si512(o + 32 * j, r[j]);
         }
@@ -197,7 +169,7 @@ static void at_scores_t(const struct at_job *j, struct at_scratch *w, const uint
         _tile_stored(0, w->st, 64);
         __m512i r[16];
         for (int n = 0; n < 16; n++) r[n] = _mm512_load_si512(w->st + 16 * n);
-        at_transpose16(r);
+        v16_transpose16(r);
         for (int q = 0; q < 16; q++) _mm512_store_si512(w->s + q * AT_BK + 16 * c, r[q]);
     }
 }

@@ -6,7 +6,8 @@
  * weight row is read from memory once and kept in L1 while every row of x meets it.
  *
  * dkv_decode_attn (native_f32_attn.h): one query token per sequence over its cached keys and
- * values, every sequence of a step in one call.
+ * values, every sequence of a step in one call; dkv_f32_attention (native_f32_prefill.h): the
+ * causal attention of prefill chunks, on AVX-512.
  *
  * Both run their work on the thread pool of native_pool.h; the element-wise kernels at the end
  * (RMSNorm, RoPE, SiLU for a decode step's few rows) run on the calling thread.
@@ -123,7 +124,7 @@ linear_tile(const float *x, const float *const w[4], float *y, int64_t rows, int
         }
     }
     if (mr * 4 == VL) { /* one transposing reduction for the whole tile */
-        const vf sums = reducev(&acc[0][0]);
+        const vf sums = reducev((const vf *)acc);
         for (int r = 0; r < mr; r++)
             for (int i = 0; i < rows; i++) y[r * N + i] = sums[r * 4 + i];
         return;
@@ -164,6 +165,7 @@ void dkv_linear(const float *x, const float *w, float *y, int64_t M, int64_t N, 
 }
 
 #include "native_f32_attn.h"
+#include "native_f32_prefill.h"
 
 /* A step's new K and V rows appended to each sequence's own copy of its context (a mirror [KVH,
  * cap, D], layers/staging.py) in one call instead of two tensor copies per sequence and layer. k

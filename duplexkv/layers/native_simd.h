@@ -7,6 +7,9 @@
  * caller masks what must be exactly zero); large inputs overflow to infinity. Every step is a
  * builtin the compiler may not reassociate under -ffast-math (FMAs, an explicitly rounded sub).
  *
+ * v16_transpose16: a 16 x 16 matrix of 32-bit elements transposed in registers (the AMX
+ * attention's key packing, the float32 prefill attention's).
+ *
  * v16_silu_mul: bf16(bf16(silu(x)) * up) for bf16 values x and up (as floats), the one formula of
  * the bf16 SiLU kernel (native_bf16.h) and of the AMX linear's fused gate/up epilogue
  * (native_amx.h), so both give the same bits: every step explicitly rounded, e^-x by v16_exp2.
@@ -26,6 +29,34 @@ static inline __m512 v16_exp2(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+
+/* r[j][n] <- r[n][j] for a 16 x 16 matrix of 32-bit elements */
+static inline void v16_transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* each 128-bit lane now holds a 4 x 4 block transposed; the lanes themselves are next */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
 }
 
 #if defined(__AVX512BF16__)

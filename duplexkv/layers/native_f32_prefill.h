@@ -1,0 +1,276 @@
+/* dkv_f32_attention: float32 causal attention of prefill chunks on AVX-512, every sequence of a
+ * step in one call (native.py `prefill_attention`; decode rows take dkv_decode_attn).
+ *
+ * Why: PyTorch's CPU flash kernel needs the KV heads expanded to every query head (a copy of the
+ * context per layer), reads a cached prefix and the new tokens in two calls merged afterwards,
+ * and wakes an OpenMP team that sleeps between regions; it ran the bench model's 8k prefill
+ * attention at ~72 % of the float32 matmul rate. Here a KV head's G query heads share each key
+ * and value block as they are read, and the work is plain register-tiled FMAs.
+ *
+ * A task is one KV head of one sequence and up to fp_rows(D) folded query rows (position-major, then
+ * the group's heads), pre-scaled by scale * log2(e). Keys go in blocks of FP_BK from position 0:
+ * the block is packed transposed (kt[d][key], 16 x 16 register transposes) so that four rows'
+ * scores for 64 keys are 16 accumulators fed by broadcast query elements; then, per row, online
+ * softmax in registers (exp2 by v16_exp2, keys past the row's position masked to exact zeros);
+ * then P . V with value rows read in place (D along the lanes), 4 rows by up to 4 vectors of
+ * accumulators. Tiles whose rows all precede a block skip it. Tasks go to the pool costliest
+ * first. float32 is not bound to chunking invariance (docs/engine.md): a row's result may differ
+ * in the last bits from PyTorch's or from another split of the same prompt.
+ */
+#if defined(__AVX512F__)
+
+#define FP_BK 64     /* keys per block: four vectors of scores per row */
+#define FP_QB 256    /* folded query rows per task, at most (fewer for large heads: fp_rows) */
+#define FP_QD 16384  /* ... and at most this many query floats per task (64 KiB) */
+#define FP_MR 4      /* rows per register tile of the scores (4 x 4 vectors) */
+#define FP_PV_MR 6   /* rows per register tile of P . V (6 x 4 vectors) */
+#define FP_MAX_D 256 /* head_dim: a multiple of 16 up to this */
+#define FP_NEG (-1e30f)
+
+struct fp_task {
+    int64_t seq, kvh, r0, r1, cost;
+};
+
+struct fp_job {
+    const float *q;
+    float *out;
+    const int64_t *kbase, *vbase, *khs, *krs, *vhs, *vrs, *qrow, *nnew, *start;
+    const struct fp_task *tasks;
+    int64_t H, G, D;
+    float sl; /* scale * log2(e) */
+    _Atomic int failed;
+};
+
+struct fp_scratch { /* a thread's, for FP_MAX_D */
+    float q[FP_QD];               /* the task's folded rows, scaled; zero rows past the last */
+    float kt[FP_MAX_D * FP_BK];   /* the key block transposed: kt[d * FP_BK + key] */
+    float p[FP_QB * FP_BK];       /* the block's probabilities */
+    float acc[FP_QD];             /* output accumulators */
+    float lvec[FP_QB * 16];       /* softmax denominators, 16 lanes per row */
+    float m[FP_QB], alpha[FP_QB];
+    int64_t pos[FP_QB];
+} __attribute__((aligned(64)));
+static __thread struct fp_scratch *fp_buf;
+
+/* keys [k0, k0 + nv) of one KV head (row stride rs) -> kt, zero columns from nv to FP_BK */
+static void fp_pack_k(float *kt, const float *k, int64_t rs, int64_t k0, int64_t nv, int64_t D) {
+    for (int64_t c = 0; c < FP_BK; c += 16)
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m512i r[16];
+            for (int n = 0; n < 16; n++)
+                r[n] = c + n < nv ? _mm512_loadu_si512(k + (k0 + c + n) * rs + d0)
+                                  : _mm512_setzero_si512();
+            v16_transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_store_si512(kt + (d0 + i) * FP_BK + c, r[i]);
+        }
+}
+
+/* P . V of mr rows from t0 for vectors d0 .. d0 + nd - 1 of the row: the rows' accumulators
+ * rescaled by alpha, then the block's nv value rows added (mr, nd: compile-time, so the mr * nd
+ * accumulators stay in registers) */
+static inline __attribute__((always_inline)) void
+fp_pv(struct fp_scratch *w, int64_t t0, const float *v, int64_t vrs, int64_t nv, int64_t d0,
+      int64_t D, const int mr, const int nd) {
+    __m512 acc[FP_PV_MR][4];
+    for (int r = 0; r < mr; r++) {
+        const __m512 a = _mm512_set1_ps(w->alpha[t0 + r]);
+        for (int c = 0; c < nd; c++)
+            acc[r][c] = _mm512_mul_ps(_mm512_load_ps(w->acc + (t0 + r) * D + d0 + 16 * c), a);
+    }
+    for (int64_t j = 0; j < nv; j++) {
+        __m512 vv[4];
+        for (int c = 0; c < nd; c++) vv[c] = _mm512_loadu_ps(v + j * vrs + d0 + 16 * c);
+        for (int r = 0; r < mr; r++) {
+            const __m512 b = _mm512_set1_ps(w->p[(t0 + r) * FP_BK + j]);
+            for (int c = 0; c < nd; c++) acc[r][c] = _mm512_fmadd_ps(b, vv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nd; c++) _mm512_store_ps(w->acc + (t0 + r) * D + d0 + 16 * c, acc[r][c]);
+}
+
+/* P . V of rows t0 .. t0 + mr - 1 over every vector of the row (mr: compile-time) */
+static inline __attribute__((always_inline)) void
+fp_pv_rows(struct fp_scratch *w, int64_t t0, const float *v, int64_t vrs, int64_t nv, int64_t D,
+           const int mr) {
+    for (int64_t d0 = 0; d0 < D;) {
+        const int64_t left = (D - d0) / 16;
+        if (left >= 4) fp_pv(w, t0, v, vrs, nv, d0, D, mr, 4), d0 += 64;
+        else if (left >= 2) fp_pv(w, t0, v, vrs, nv, d0, D, mr, 2), d0 += 32;
+        else fp_pv(w, t0, v, vrs, nv, d0, D, mr, 1), d0 += 16;
+    }
+}
+
+/* one tile's scores for the block and its softmax step (p, alpha, m, l) */
+static void fp_scores(struct fp_scratch *w, int64_t t0, int64_t k0, int64_t D) {
+    __m512 s[FP_MR][4];
+    for (int r = 0; r < FP_MR; r++)
+        for (int c = 0; c < 4; c++) s[r][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const float *kd = w->kt + d * FP_BK;
+        const __m512 k0v = _mm512_load_ps(kd), k1v = _mm512_load_ps(kd + 16),
+                     k2v = _mm512_load_ps(kd + 32), k3v = _mm512_load_ps(kd + 48);
+        for (int r = 0; r < FP_MR; r++) {
+            const __m512 b = _mm512_set1_ps(w->q[(t0 + r) * D + d]);
+            s[r][0] = _mm512_fmadd_ps(b, k0v, s[r][0]);
+            s[r][1] = _mm512_fmadd_ps(b, k1v, s[r][1]);
+            s[r][2] = _mm512_fmadd_ps(b, k2v, s[r][2]);
+            s[r][3] = _mm512_fmadd_ps(b, k3v, s[r][3]);
+        }
+    }
+    /* the block's last key is past the tile's first row: mask keys past each row's position
+     * (and past the context: implied) to exact zeros; elsewhere no mask is needed */
+    const int diag = w->pos[t0] < k0 + FP_BK - 1;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 neg = _mm512_set1_ps(FP_NEG);
+    __mmask16 keep[FP_MR][4];
+    __m512 dm = _mm512_setzero_ps(); /* lanes 0 .. FP_MR - 1: old maximum - new maximum */
+#pragma GCC unroll 4
+    for (int r = 0; r < FP_MR; r++) {
+        const int64_t i = t0 + r;
+        if (diag) {
+            const int64_t lim = w->pos[i] - k0;
+            for (int c = 0; c < 4; c++) {
+                const int64_t top = lim - 16 * c < -1 ? -1 : lim - 16 * c > 15 ? 15 : lim - 16 * c;
+                keep[r][c] = _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32((int)top), _MM_CMPINT_LE);
+                s[r][c] = _mm512_mask_mov_ps(neg, keep[r][c], s[r][c]);
+            }
+        }
+        const __m512 mx = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]),
+                                        _mm512_max_ps(s[r][2], s[r][3]));
+        const float mo = w->m[i], mb = _mm512_reduce_max_ps(mx), m = mb > mo ? mb : mo;
+        dm[r] = mo - m;
+        w->m[i] = m;
+        const __m512 mv = _mm512_set1_ps(m);
+        __m512 sum = _mm512_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            __m512 e = v16_exp2(_mm512_sub_ps(s[r][c], mv));
+            if (diag) e = _mm512_maskz_mov_ps(keep[r][c], e);
+            _mm512_store_ps(w->p + i * FP_BK + 16 * c, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        s[r][0] = sum; /* kept for the denominator below */
+    }
+    const __m512 alpha = v16_exp2(dm);
+#pragma GCC unroll 4
+    for (int r = 0; r < FP_MR; r++) {
+        const int64_t i = t0 + r;
+        w->alpha[i] = alpha[r];
+        _mm512_store_ps(w->lvec + i * 16, _mm512_fmadd_ps(_mm512_load_ps(w->lvec + i * 16),
+                                                          _mm512_set1_ps(alpha[r]), s[r][0]));
+    }
+}
+
+static void fp_task_run(const struct fp_job *j, struct fp_scratch *w, const struct fp_task *t) {
+    const int64_t s = t->seq, H = j->H, G = j->G, D = j->D, rows = t->r1 - t->r0;
+    const int64_t padded = (rows + FP_MR - 1) / FP_MR * FP_MR, start = j->start[s];
+    const int64_t qrow = j->qrow[s], ctx = start + j->nnew[s];
+    const __m512 sl = _mm512_set1_ps(j->sl);
+    for (int64_t i = 0; i < padded; i++) { /* fold: row r = position index * G + head in group */
+        const int64_t r = t->r0 + (i < rows ? i : rows - 1), pi = r / G, g = r % G;
+        w->pos[i] = start + pi;
+        w->m[i] = FP_NEG;
+        memset(w->lvec + i * 16, 0, 64);
+        memset(w->acc + i * D, 0, (size_t)D * 4);
+        const float *src = j->q + ((qrow + pi) * H + t->kvh * G + g) * D;
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_store_ps(w->q + i * D + d, i < rows ? _mm512_mul_ps(_mm512_loadu_ps(src + d), sl)
+                                                       : _mm512_setzero_ps());
+    }
+    const int64_t last = w->pos[rows - 1];
+    const float *k = (const float *)(intptr_t)j->kbase[s] + t->kvh * j->khs[s];
+    const float *v = (const float *)(intptr_t)j->vbase[s] + t->kvh * j->vhs[s];
+    for (int64_t k0 = 0; k0 <= last; k0 += FP_BK) {
+        const int64_t nv = ctx - k0 < FP_BK ? ctx - k0 : FP_BK;
+        fp_pack_k(w->kt, k, j->krs[s], k0, nv, D);
+        int64_t from = padded; /* the first tile reaching k0 (rows in position order) */
+        for (int64_t t0 = 0; t0 < padded; t0 += FP_MR)
+            if (w->pos[t0 + FP_MR - 1] >= k0) {
+                if (from == padded) from = t0;
+                fp_scores(w, t0, k0, D);
+            }
+        /* P . V from the first tile reaching k0, FP_PV_MR rows at a time (padded is a multiple
+         * of FP_MR, 4: what is left after the 6-row tiles is 0, 2 or 4 rows) */
+        const float *vb = v + k0 * j->vrs[s];
+        int64_t t0 = from;
+        for (; t0 + FP_PV_MR <= padded; t0 += FP_PV_MR) fp_pv_rows(w, t0, vb, j->vrs[s], nv, D, FP_PV_MR);
+        if (padded - t0 == 4) fp_pv_rows(w, t0, vb, j->vrs[s], nv, D, 4);
+        else if (padded - t0 == 2) fp_pv_rows(w, t0, vb, j->vrs[s], nv, D, 2);
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t r = t->r0 + i, pi = r / G, g = r % G;
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(w->lvec + i * 16)));
+        float *o = j->out + ((qrow + pi) * H + t->kvh * G + g) * D;
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_load_ps(w->acc + i * D + d), inv));
+    }
+}
+
+static void fp_tasks(void *ctx, int64_t t0, int64_t t1) {
+    struct fp_job *j = ctx;
+    if (!fp_buf) fp_buf = aligned_alloc(64, (sizeof(struct fp_scratch) + 63) / 64 * 64);
+    if (!fp_buf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    for (int64_t t = t0; t < t1; t++) fp_task_run(j, fp_buf, &j->tasks[t]);
+}
+
+/* folded rows per task for head size D: FP_QB, fewer where they would pass FP_QD floats */
+static inline int64_t fp_rows(int64_t D) {
+    const int64_t r = FP_QD / D / FP_MR * FP_MR;
+    return r < FP_QB ? r : FP_QB;
+}
+
+static int fp_cost_desc(const void *a, const void *b) {
+    const int64_t x = ((const struct fp_task *)a)->cost, y = ((const struct fp_task *)b)->cost;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+int dkv_f32_attention_ok(void) { return 1; }
+
+/* Attention of the query rows q [T, H, D] (float32) of `nseq` sequences into out [T, H, D]
+ * (only those rows are written): sequence s has n_new[s] rows from row q_row[s], at positions
+ * start[s] .. start[s] + n_new[s] - 1, its keys (positions 0 .. start[s] + n_new[s] - 1) at
+ * kbase[s] + h * khs[s] + position * krs[s] (floats) for KV head h, its values likewise at
+ * vbase[s] with vhs[s] and vrs[s]. 0, or -1 (unsupported shape, no memory). */
+int dkv_f32_attention(const float *q, float *out, int64_t nseq, const int64_t *kbase,
+                      const int64_t *vbase, const int64_t *khs, const int64_t *krs,
+                      const int64_t *vhs, const int64_t *vrs, const int64_t *qrow,
+                      const int64_t *nnew, const int64_t *start, int64_t H, int64_t KVH,
+                      int64_t D, float scale, int nthreads) {
+    if (D % 16 || D <= 0 || D > FP_MAX_D || KVH <= 0 || H % KVH || nseq <= 0) return -1;
+    const int64_t G = H / KVH;
+    const int64_t qb = fp_rows(D);
+    int64_t count = 0;
+    for (int64_t s = 0; s < nseq; s++) count += KVH * ((nnew[s] * G + qb - 1) / qb);
+    struct fp_task *tasks = malloc((size_t)(count > 0 ? count : 1) * sizeof *tasks);
+    if (!tasks) return -1;
+    int64_t n = 0;
+    for (int64_t s = 0; s < nseq; s++)
+        for (int64_t h = 0; h < KVH; h++)
+            for (int64_t r0 = 0; r0 < nnew[s] * G; r0 += qb) {
+                const int64_t r1 = r0 + qb < nnew[s] * G ? r0 + qb : nnew[s] * G;
+                tasks[n++] = (struct fp_task){s, h, r0, r1, (r1 - r0) * (start[s] + r1 / G + 1)};
+            }
+    qsort(tasks, (size_t)n, sizeof *tasks, fp_cost_desc);
+    struct fp_job job = {q, out, kbase, vbase, khs, krs, vhs, vrs, qrow, nnew, start, tasks, H, G, D,
+                         scale * 1.4426950408889634f, 0};
+    pool_run(fp_tasks, &job, n, 1, nthreads);
+    free(tasks);
+    return atomic_load(&job.failed) ? -1 : 0;
+}
+#else
+int dkv_f32_attention_ok(void) { return 0; }
+
+int dkv_f32_attention(const float *q, float *out, int64_t nseq, const int64_t *kbase,
+                      const int64_t *vbase, const int64_t *khs, const int64_t *krs,
+                      const int64_t *vhs, const int64_t *vrs, const int64_t *qrow,
+                      const int64_t *nnew, const int64_t *start, int64_t H, int64_t KVH,
+                      int64_t D, float scale, int nthreads) {
+    (void)q, (void)out, (void)nseq, (void)kbase, (void)vbase, (void)khs, (void)krs, (void)vhs;
+    (void)vrs, (void)qrow, (void)nnew, (void)start, (void)H, (void)KVH, (void)D, (void)scale;
+    (void)nthreads;
+    return -1;
+}
+#endif
