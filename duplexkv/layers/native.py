@@ -1,6 +1,8 @@
 """The kernels of native_kernels.c, compiled for this machine on first use: float32 decode
-kernels, bf16 element-wise kernels for any row count (native_bf16.h) and the AMX bf16 linear
-(native_amx.h, bound in amx.py).
+kernels (native_f32_attn.h: attention), float32 prefill attention on AVX-512
+(native_f32_prefill.h, bound in causal_kernel.py), bf16 element-wise kernels for any row count
+(native_bf16.h) and the AMX bf16 linear and attention (native_amx.h, native_amx_attn.h, bound in
+amx.py). The float32 kernels use vectors as wide as the CPU (16 floats with AVX-512, else 8).
 
 Why our own: on the CPUs we run on, the BLAS in PyTorch's wheel packs the weight matrix before a
 product even for the few rows of a decode step, and SDPA's flash kernel runs a decode query as
