@@ -99,6 +99,32 @@ static inline vf reducev(const vf a[VL]) {
 #endif
 }
 
+/* lanes 0-3: the sums of a[0]'s, ..., a[3]'s lanes (the other lanes hold partial sums) */
+static inline vf reduce4(const vf a[4]) {
+#if VL == 16
+    const vf p = __builtin_shufflevector(a[0], a[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26,
+                                         12, 28, 14, 30) +
+                 __builtin_shufflevector(a[0], a[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27,
+                                         13, 29, 15, 31);
+    const vf q = __builtin_shufflevector(a[2], a[3], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26,
+                                         12, 28, 14, 30) +
+                 __builtin_shufflevector(a[2], a[3], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27,
+                                         13, 29, 15, 31);
+    vf r = __builtin_shufflevector(p, q, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(p, q, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    r += __builtin_shufflevector(r, r, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    return r + __builtin_shufflevector(r, r, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+#else
+    const vf p = __builtin_shufflevector(a[0], a[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+                 __builtin_shufflevector(a[0], a[1], 1, 9, 3, 11, 5, 13, 7, 15);
+    const vf q = __builtin_shufflevector(a[2], a[3], 0, 8, 2, 10, 4, 12, 6, 14) +
+                 __builtin_shufflevector(a[2], a[3], 1, 9, 3, 11, 5, 13, 7, 15);
+    const vf r = __builtin_shufflevector(p, q, 0, 1, 8, 9, 4, 5, 12, 13) +
+                 __builtin_shufflevector(p, q, 2, 3, 10, 11, 6, 7, 14, 15);
+    return r + __builtin_shufflevector(r, r, 4, 5, 6, 7, 0, 1, 2, 3);
+#endif
+}
+
 int dkv_abi(void) { return 6; }
 
 struct linear_job {
@@ -129,8 +155,10 @@ linear_tile(const float *x, const float *const w[4], float *y, int64_t rows, int
             for (int i = 0; i < rows; i++) y[r * N + i] = sums[r * 4 + i];
         return;
     }
-    for (int r = 0; r < mr; r++)
-        for (int i = 0; i < rows; i++) y[r * N + i] = hsumv(acc[r][i]);
+    for (int r = 0; r < mr; r++) { /* a row's four sums: one shuffle-add tree, not four */
+        const vf s4 = reduce4(acc[r]);
+        for (int i = 0; i < rows; i++) y[r * N + i] = s4[i];
+    }
 }
 
 /* weight rows [4 * b0, 4 * b1) against every row of x: each block of four weight rows is read
@@ -146,8 +174,8 @@ static void linear_blocks(void *ctx, int64_t b0, int64_t b1) {
         const float *const w[4] = {w0, w0 + (rows > 1 ? K : 0), w0 + (rows > 2 ? 2 * K : 0),
                                    w0 + (rows > 3 ? 3 * K : 0)};
         float *y = j->y + n0;
-        /* the block after next, prefetched while the first rows of x meet this one */
-        const float *pf = n0 + 20 <= N ? w0 + 16 * K : NULL;
+        /* the block four ahead (16 rows), prefetched into L2 while x meets this one */
+        const float *pf = K >= 256 && n0 + 20 <= N ? w0 + 16 * K : NULL; /* short rows: cached */
         int64_t m = 0;
         for (; m + LIN_MR <= M; m += LIN_MR, pf = NULL)
             linear_tile(x + m * K, w, y + m * N, rows, N, K, LIN_MR, pf);
