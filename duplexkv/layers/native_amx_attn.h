@@ -46,20 +46,6 @@
 #define AT_ADD(a, b) _mm512_add_round_ps((a), (b), AT_RNE)
 #define AT_PF 256 /* rows ahead to prefetch K and V into L2 (never faults, even past the end) */
 
-struct at_task {
-    int64_t seq, kvh, r0, r1, cost;
-};
-
-struct at_job {
-    const uint16_t *q;
-    uint16_t *out;
-    const int64_t *kbase, *vbase, *khs, *krs, *vhs, *vrs, *qrow, *nnew, *start;
-    const struct at_task *tasks;
-    int64_t H, G, D;
-    float sl; /* scale * log2(e) */
-    _Atomic int failed;
-};
-
 /* a thread's scratch, for AT_MAX_D */
 struct at_scratch {
     uint16_t qt[AT_QB * AT_MAX_D];  /* the task's folded query rows, zero rows past the last */
@@ -144,7 +130,7 @@ static void at_pack_v(uint16_t *vp, const uint16_t *v, int64_t rs, int64_t k0, i
  * the same products in the same order whichever operand is A (q[2r] k[2r] + q[2r+1] k[2r+1] over
  * dim pairs r, from zero), so S is bit for bit that of Q . K^T (tested: a decode row equals the
  * same row of a whole prefill). */
-static void at_scores_t(const struct at_job *j, struct at_scratch *w, const uint16_t *k,
+static void at_scores_t(const struct causal_job *j, struct at_scratch *w, const uint16_t *k,
                         int64_t rs, int64_t k0, int64_t ctx, int ncols) {
     const int64_t D = j->D, dcs = D / 32;
     for (int c = 0; c < ncols; c++) {
@@ -174,7 +160,7 @@ static void at_scores_t(const struct at_job *j, struct at_scratch *w, const uint
     }
 }
 
-static void at_tile_block(const struct at_job *j, struct at_scratch *w, int64_t t0, int64_t k0,
+static void at_tile_block(const struct causal_job *j, struct at_scratch *w, int64_t t0, int64_t k0,
                           int real, const uint16_t *kt, int64_t krs, int64_t ctx) {
     const int64_t D = j->D, dcs = D / 32, dcols = D / 16;
     int64_t maxlim = 0;
@@ -289,7 +275,8 @@ static void at_tile_block(const struct at_job *j, struct at_scratch *w, int64_t 
     }
 }
 
-static void at_task_run(const struct at_job *j, struct at_scratch *w, const struct at_task *t) {
+static void at_task_run(const struct causal_job *j, struct at_scratch *w,
+                        const struct causal_task *t) {
     const int64_t s = t->seq, H = j->H, G = j->G, D = j->D, rows = t->r1 - t->r0;
     const int64_t padded = (rows + 15) / 16 * 16, start = j->start[s], qrow = j->qrow[s];
     const int64_t ctx = start + j->nnew[s];
@@ -300,7 +287,8 @@ static void at_task_run(const struct at_job *j, struct at_scratch *w, const stru
         memset(w->lvec + i * 16, 0, 64);
         memset(w->acc + i * D, 0, (size_t)D * 4);
         if (i < rows)
-            memcpy(w->qt + i * D, j->q + ((qrow + pi) * H + t->kvh * G + g) * D, (size_t)D * 2);
+            memcpy(w->qt + i * D, (const uint16_t *)j->q + ((qrow + pi) * H + t->kvh * G + g) * D,
+                   (size_t)D * 2);
         else
             memset(w->qt + i * D, 0, (size_t)D * 2);
     }
@@ -322,7 +310,7 @@ static void at_task_run(const struct at_job *j, struct at_scratch *w, const stru
         const int64_t r = t->r0 + i, pi = r / G, g = r % G;
         const float *lv = w->lvec + i * 16;
         const __m512 l = _mm512_set1_ps(_mm512_reduce_add_ps(_mm512_load_ps(lv)));
-        uint16_t *o = j->out + ((qrow + pi) * H + t->kvh * G + g) * D;
+        uint16_t *o = (uint16_t *)j->out + ((qrow + pi) * H + t->kvh * G + g) * D;
         const float *acc = w->acc + i * D;
         for (int64_t c = 0; c < D; c += 32) {
             const __m512 lo = _mm512_div_round_ps(_mm512_load_ps(acc + c), l, AT_RNE);
@@ -333,7 +321,7 @@ static void at_task_run(const struct at_job *j, struct at_scratch *w, const stru
 }
 
 static void at_tasks(void *ctx, int64_t t0, int64_t t1) {
-    struct at_job *j = ctx;
+    struct causal_job *j = ctx;
     if (!at_buf) {
         at_buf = aligned_alloc(64, (sizeof(struct at_scratch) + 63) / 64 * 64);
         if (at_buf) memset(at_buf->p, 0, sizeof at_buf->p); /* padding rows' P: finite */
@@ -349,51 +337,20 @@ static void at_tasks(void *ctx, int64_t t0, int64_t t1) {
     _tile_release();
 }
 
-static int at_cost_desc(const void *a, const void *b) {
-    const int64_t x = ((const struct at_task *)a)->cost, y = ((const struct at_task *)b)->cost;
-    return x < y ? 1 : x > y ? -1 : 0;
-}
 
 /* Attention of the step's query rows q [T, H, D] (bf16) for `nseq` sequences into out [T, H, D]:
  * sequence s has n_new[s] rows from row q_row[s], at positions start[s] .. start[s] + n_new[s]
  * - 1, and its keys (positions 0 .. start[s] + n_new[s] - 1) at kbase[s] + h * khs[s] +
  * position * krs[s] (elements) for KV head h, its values likewise at vbase[s] with vhs[s] and
  * vrs[s]. 0, or -1 (unsupported shape, no memory). */
-int dkv_amx_attention(const uint16_t *q, uint16_t *out, int64_t nseq, const int64_t *kbase,
-                      const int64_t *vbase, const int64_t *khs, const int64_t *krs,
-                      const int64_t *vhs, const int64_t *vrs, const int64_t *qrow,
-                      const int64_t *nnew, const int64_t *start, int64_t H, int64_t KVH,
-                      int64_t D, float scale, int nthreads) {
+int dkv_amx_attention(CAUSAL_ARGS(uint16_t)) {
     if (!dkv_amx_init() || D % 32 || D <= 0 || D > AT_MAX_D || KVH <= 0 || H % KVH || nseq <= 0)
         return -1;
-    const int64_t G = H / KVH;
-    int64_t count = 0;
-    for (int64_t s = 0; s < nseq; s++) count += KVH * ((nnew[s] * G + AT_QB - 1) / AT_QB);
-    struct at_task *tasks = malloc((size_t)(count > 0 ? count : 1) * sizeof *tasks);
-    if (!tasks) return -1;
-    int64_t n = 0;
-    for (int64_t s = 0; s < nseq; s++)
-        for (int64_t h = 0; h < KVH; h++)
-            for (int64_t r0 = 0; r0 < nnew[s] * G; r0 += AT_QB) {
-                const int64_t r1 = r0 + AT_QB < nnew[s] * G ? r0 + AT_QB : nnew[s] * G;
-                tasks[n++] = (struct at_task){s, h, r0, r1, (r1 - r0) * (start[s] + r1 / G + 1)};
-            }
-    qsort(tasks, (size_t)n, sizeof *tasks, at_cost_desc);
-    struct at_job job = {q, out, kbase, vbase, khs, krs, vhs, vrs, qrow, nnew, start, tasks, H, G, D,
-                         scale * 1.4426950408889634f, 0};
-    pool_run(at_tasks, &job, n, 1, nthreads);
-    free(tasks);
-    return atomic_load(&job.failed) ? -1 : 0;
+    return causal_run(at_tasks, AT_QB, CAUSAL_PASS);
 }
 #else
-int dkv_amx_attention(const uint16_t *q, uint16_t *out, int64_t nseq, const int64_t *kbase,
-                      const int64_t *vbase, const int64_t *khs, const int64_t *krs,
-                      const int64_t *vhs, const int64_t *vrs, const int64_t *qrow,
-                      const int64_t *nnew, const int64_t *start, int64_t H, int64_t KVH,
-                      int64_t D, float scale, int nthreads) {
-    (void)q, (void)out, (void)nseq, (void)kbase, (void)vbase, (void)khs, (void)krs, (void)vhs;
-    (void)vrs, (void)qrow;
-    (void)nnew, (void)start, (void)H, (void)KVH, (void)D, (void)scale, (void)nthreads;
+int dkv_amx_attention(CAUSAL_ARGS(uint16_t)) {
+    CAUSAL_UNUSED;
     return -1;
 }
 #endif

@@ -127,7 +127,9 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
         const int db = nv - c0 >= 4 ? 4 : nv - c0 >= 2 ? 2 : 1;
         for (int64_t g0 = 0; g0 < G;) {
             const int left = (int)(G - g0);
-            const int gb = left >= 4 && 4 * db <= FA_ACC ? 4 : left >= 2 && 2 * db <= FA_ACC ? 2 : 1;
+            const int gb = left >= 4 && 4 * db <= FA_ACC   ? 4
+                           : left >= 2 && 2 * db <= FA_ACC ? 2
+                                                           : 1;
             switch (db * 8 + gb) { /* constant shapes, so the accumulators stay in registers */
             case 4 * 8 + 4: pv_block(s, vc, row_stride, n, g0, c0, 4, 4, part, D); break;
             case 4 * 8 + 2: pv_block(s, vc, row_stride, n, g0, c0, 4, 2, part, D); break;

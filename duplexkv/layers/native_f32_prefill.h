@@ -7,8 +7,8 @@
  * attention at ~72 % of the float32 matmul rate. Here a KV head's G query heads share each key
  * and value block as they are read, and the work is plain register-tiled FMAs.
  *
- * A task is one KV head of one sequence and up to fp_rows(D) folded query rows (position-major, then
- * the group's heads), pre-scaled by scale * log2(e). Keys go in blocks of FP_BK from position 0:
+ * A task is one KV head of one sequence and up to fp_rows(D) folded query rows (position-major,
+ * then the group's heads), pre-scaled by scale * log2(e). Keys go in blocks of FP_BK from position 0:
  * the block is packed transposed (kt[d][key], 16 x 16 register transposes) so that four rows'
  * scores for 64 keys are 16 accumulators fed by broadcast query elements; then, per row, online
  * softmax in registers (exp2 by v16_exp2, keys past the row's position masked to exact zeros);
@@ -26,20 +26,6 @@
 #define FP_PV_MR 6   /* rows per register tile of P . V (6 x 4 vectors) */
 #define FP_MAX_D 256 /* head_dim: a multiple of 16 up to this */
 #define FP_NEG (-1e30f)
-
-struct fp_task {
-    int64_t seq, kvh, r0, r1, cost;
-};
-
-struct fp_job {
-    const float *q;
-    float *out;
-    const int64_t *kbase, *vbase, *khs, *krs, *vhs, *vrs, *qrow, *nnew, *start;
-    const struct fp_task *tasks;
-    int64_t H, G, D;
-    float sl; /* scale * log2(e) */
-    _Atomic int failed;
-};
 
 struct fp_scratch { /* a thread's, for FP_MAX_D */
     float q[FP_QD];               /* the task's folded rows, scaled; zero rows past the last */
@@ -86,7 +72,8 @@ fp_pv(struct fp_scratch *w, int64_t t0, const float *v, int64_t vrs, int64_t nv,
         }
     }
     for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nd; c++) _mm512_store_ps(w->acc + (t0 + r) * D + d0 + 16 * c, acc[r][c]);
+        for (int c = 0; c < nd; c++)
+            _mm512_store_ps(w->acc + (t0 + r) * D + d0 + 16 * c, acc[r][c]);
 }
 
 /* P . V of rows t0 .. t0 + mr - 1 over every vector of the row (mr: compile-time) */
@@ -132,7 +119,8 @@ static void fp_scores(struct fp_scratch *w, int64_t t0, int64_t k0, int64_t D) {
             const int64_t lim = w->pos[i] - k0;
             for (int c = 0; c < 4; c++) {
                 const int64_t top = lim - 16 * c < -1 ? -1 : lim - 16 * c > 15 ? 15 : lim - 16 * c;
-                keep[r][c] = _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32((int)top), _MM_CMPINT_LE);
+                keep[r][c] =
+                    _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32((int)top), _MM_CMPINT_LE);
                 s[r][c] = _mm512_mask_mov_ps(neg, keep[r][c], s[r][c]);
             }
         }
@@ -161,7 +149,8 @@ static void fp_scores(struct fp_scratch *w, int64_t t0, int64_t k0, int64_t D) {
     }
 }
 
-static void fp_task_run(const struct fp_job *j, struct fp_scratch *w, const struct fp_task *t) {
+static void fp_task_run(const struct causal_job *j, struct fp_scratch *w,
+                        const struct causal_task *t) {
     const int64_t s = t->seq, H = j->H, G = j->G, D = j->D, rows = t->r1 - t->r0;
     const int64_t padded = (rows + FP_MR - 1) / FP_MR * FP_MR, start = j->start[s];
     const int64_t qrow = j->qrow[s], ctx = start + j->nnew[s];
@@ -172,7 +161,7 @@ static void fp_task_run(const struct fp_job *j, struct fp_scratch *w, const stru
         w->m[i] = FP_NEG;
         memset(w->lvec + i * 16, 0, 64);
         memset(w->acc + i * D, 0, (size_t)D * 4);
-        const float *src = j->q + ((qrow + pi) * H + t->kvh * G + g) * D;
+        const float *src = (const float *)j->q + ((qrow + pi) * H + t->kvh * G + g) * D;
         for (int64_t d = 0; d < D; d += 16)
             _mm512_store_ps(w->q + i * D + d, i < rows ? _mm512_mul_ps(_mm512_loadu_ps(src + d), sl)
                                                        : _mm512_setzero_ps());
@@ -193,21 +182,23 @@ static void fp_task_run(const struct fp_job *j, struct fp_scratch *w, const stru
          * of FP_MR, 4: what is left after the 6-row tiles is 0, 2 or 4 rows) */
         const float *vb = v + k0 * j->vrs[s];
         int64_t t0 = from;
-        for (; t0 + FP_PV_MR <= padded; t0 += FP_PV_MR) fp_pv_rows(w, t0, vb, j->vrs[s], nv, D, FP_PV_MR);
+        for (; t0 + FP_PV_MR <= padded; t0 += FP_PV_MR)
+            fp_pv_rows(w, t0, vb, j->vrs[s], nv, D, FP_PV_MR);
         if (padded - t0 == 4) fp_pv_rows(w, t0, vb, j->vrs[s], nv, D, 4);
         else if (padded - t0 == 2) fp_pv_rows(w, t0, vb, j->vrs[s], nv, D, 2);
     }
     for (int64_t i = 0; i < rows; i++) {
         const int64_t r = t->r0 + i, pi = r / G, g = r % G;
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(w->lvec + i * 16)));
-        float *o = j->out + ((qrow + pi) * H + t->kvh * G + g) * D;
+        const float l = _mm512_reduce_add_ps(_mm512_load_ps(w->lvec + i * 16));
+        const __m512 inv = _mm512_set1_ps(1.0f / l);
+        float *o = (float *)j->out + ((qrow + pi) * H + t->kvh * G + g) * D;
         for (int64_t d = 0; d < D; d += 16)
             _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_load_ps(w->acc + i * D + d), inv));
     }
 }
 
 static void fp_tasks(void *ctx, int64_t t0, int64_t t1) {
-    struct fp_job *j = ctx;
+    struct causal_job *j = ctx;
     if (!fp_buf) fp_buf = aligned_alloc(64, (sizeof(struct fp_scratch) + 63) / 64 * 64);
     if (!fp_buf) {
         atomic_store(&j->failed, 1);
@@ -222,55 +213,28 @@ static inline int64_t fp_rows(int64_t D) {
     return r < FP_QB ? r : FP_QB;
 }
 
-static int fp_cost_desc(const void *a, const void *b) {
-    const int64_t x = ((const struct fp_task *)a)->cost, y = ((const struct fp_task *)b)->cost;
-    return x < y ? 1 : x > y ? -1 : 0;
-}
 
-int dkv_f32_attention_ok(void) { return 1; }
+#endif
+
+int dkv_f32_attention_ok(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* Attention of the query rows q [T, H, D] (float32) of `nseq` sequences into out [T, H, D]
  * (only those rows are written): sequence s has n_new[s] rows from row q_row[s], at positions
  * start[s] .. start[s] + n_new[s] - 1, its keys (positions 0 .. start[s] + n_new[s] - 1) at
  * kbase[s] + h * khs[s] + position * krs[s] (floats) for KV head h, its values likewise at
  * vbase[s] with vhs[s] and vrs[s]. 0, or -1 (unsupported shape, no memory). */
-int dkv_f32_attention(const float *q, float *out, int64_t nseq, const int64_t *kbase,
-                      const int64_t *vbase, const int64_t *khs, const int64_t *krs,
-                      const int64_t *vhs, const int64_t *vrs, const int64_t *qrow,
-                      const int64_t *nnew, const int64_t *start, int64_t H, int64_t KVH,
-                      int64_t D, float scale, int nthreads) {
+int dkv_f32_attention(CAUSAL_ARGS(float)) {
+#if defined(__AVX512F__)
     if (D % 16 || D <= 0 || D > FP_MAX_D || KVH <= 0 || H % KVH || nseq <= 0) return -1;
-    const int64_t G = H / KVH;
-    const int64_t qb = fp_rows(D);
-    int64_t count = 0;
-    for (int64_t s = 0; s < nseq; s++) count += KVH * ((nnew[s] * G + qb - 1) / qb);
-    struct fp_task *tasks = malloc((size_t)(count > 0 ? count : 1) * sizeof *tasks);
-    if (!tasks) return -1;
-    int64_t n = 0;
-    for (int64_t s = 0; s < nseq; s++)
-        for (int64_t h = 0; h < KVH; h++)
-            for (int64_t r0 = 0; r0 < nnew[s] * G; r0 += qb) {
-                const int64_t r1 = r0 + qb < nnew[s] * G ? r0 + qb : nnew[s] * G;
-                tasks[n++] = (struct fp_task){s, h, r0, r1, (r1 - r0) * (start[s] + r1 / G + 1)};
-            }
-    qsort(tasks, (size_t)n, sizeof *tasks, fp_cost_desc);
-    struct fp_job job = {q, out, kbase, vbase, khs, krs, vhs, vrs, qrow, nnew, start, tasks, H, G, D,
-                         scale * 1.4426950408889634f, 0};
-    pool_run(fp_tasks, &job, n, 1, nthreads);
-    free(tasks);
-    return atomic_load(&job.failed) ? -1 : 0;
-}
+    return causal_run(fp_tasks, fp_rows(D), CAUSAL_PASS);
 #else
-int dkv_f32_attention_ok(void) { return 0; }
-
-int dkv_f32_attention(const float *q, float *out, int64_t nseq, const int64_t *kbase,
-                      const int64_t *vbase, const int64_t *khs, const int64_t *krs,
-                      const int64_t *vhs, const int64_t *vrs, const int64_t *qrow,
-                      const int64_t *nnew, const int64_t *start, int64_t H, int64_t KVH,
-                      int64_t D, float scale, int nthreads) {
-    (void)q, (void)out, (void)nseq, (void)kbase, (void)vbase, (void)khs, (void)krs, (void)vhs;
-    (void)vrs, (void)qrow, (void)nnew, (void)start, (void)H, (void)KVH, (void)D, (void)scale;
-    (void)nthreads;
+    CAUSAL_UNUSED;
     return -1;
-}
 #endif
+}

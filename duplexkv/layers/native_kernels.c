@@ -24,6 +24,7 @@
 #include "native_pool.h"
 #include "native_simd.h"
 #include "native_amx.h"
+#include "native_causal.h"
 #include "native_amx_attn.h"
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
@@ -110,8 +111,10 @@ static inline vf reduce4(const vf a[4]) {
                                          12, 28, 14, 30) +
                  __builtin_shufflevector(a[2], a[3], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27,
                                          13, 29, 15, 31);
-    vf r = __builtin_shufflevector(p, q, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-           __builtin_shufflevector(p, q, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    vf r = __builtin_shufflevector(p, q, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
+                                   29) +
+           __builtin_shufflevector(p, q, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                   31);
     r += __builtin_shufflevector(r, r, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     return r + __builtin_shufflevector(r, r, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
 #else
@@ -179,7 +182,8 @@ static void linear_blocks(void *ctx, int64_t b0, int64_t b1) {
         int64_t m = 0;
         for (; m + LIN_MR <= M; m += LIN_MR, pf = NULL)
             linear_tile(x + m * K, w, y + m * N, rows, N, K, LIN_MR, pf);
-        for (; m + 2 <= M; m += 2, pf = NULL) linear_tile(x + m * K, w, y + m * N, rows, N, K, 2, pf);
+        for (; m + 2 <= M; m += 2, pf = NULL)
+            linear_tile(x + m * K, w, y + m * N, rows, N, K, 2, pf);
         for (; m < M; m++, pf = NULL) linear_tile(x + m * K, w, y + m * N, rows, N, K, 1, pf);
     }
 }
