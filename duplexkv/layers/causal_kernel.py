@@ -26,7 +26,7 @@ def run(kernel, name: str, q: torch.Tensor, seqs: list[Seq], scale: float,
     only those rows are written) -> out."""
     t, h, d = q.shape
     dtype = q.dtype
-    if not q.is_contiguous() or not seqs or (out is not None and (
+    if not q.is_contiguous() or not seqs or h % seqs[0][0].shape[0] or (out is not None and (
             out.shape != q.shape or out.dtype != dtype or not out.is_contiguous())):
         raise ValueError(f"{name}: q {dtype} {tuple(q.shape)}, {len(seqs)} sequences")
     num_kv = seqs[0][0].shape[0]
@@ -52,13 +52,21 @@ def run(kernel, name: str, q: torch.Tensor, seqs: list[Seq], scale: float,
     return out
 
 
+_f32_built: bool | None = None  # whether this CPU's build has the float32 kernel (asked once)
+
+
 def f32_ok(q: torch.Tensor, num_kv: int) -> bool:
     """Whether `f32_attention` takes float32 queries like q [T, H, D] over num_kv KV heads: the
     kernels are built with AVX-512 (16-float vectors), D % 16 == 0 up to F32_MAX_HEAD_DIM."""
+    global _f32_built
     d = q.shape[-1]
-    return (q.dtype == torch.float32 and d % 16 == 0 and 0 < d <= F32_MAX_HEAD_DIM
-            and q.shape[1] % num_kv == 0 and native.available()
-            and native.library().dkv_f32_attention_ok() == 1)
+    if q.dtype != torch.float32 or d % 16 or not 0 < d <= F32_MAX_HEAD_DIM or q.shape[1] % num_kv:
+        return False
+    if not native.available():  # (tests switch the kernels off in-process)
+        return False
+    if _f32_built is None:
+        _f32_built = native.library().dkv_f32_attention_ok() == 1
+    return _f32_built
 
 
 def f32_attention(q: torch.Tensor, seqs: list[Seq], scale: float,
