@@ -37,19 +37,6 @@ static inline float hsum8(v8 a) {
     return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
-/* (sum a[0], ..., sum a[7]): the eight horizontal sums in one vector (three shuffle-add levels) */
-static inline v8 reduce8(const v8 a[8]) {
-    v8 p[4], q[2];
-    for (int i = 0; i < 4; i++)
-        p[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-    for (int i = 0; i < 2; i++)
-        q[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-               __builtin_shufflevector(p[2 * i], p[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-    return __builtin_shufflevector(q[0], q[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(q[0], q[1], 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
 /* The float32 kernels' vectors: as wide as the build's CPU allows (16 floats on AVX-512, 8
  * elsewhere). Head and hidden sizes the Python side passes are multiples of 16. */
 #if defined(__AVX512F__)
@@ -71,21 +58,43 @@ static inline float hsumv(vf a) {
 #endif
 }
 
-/* (sum of a[0]'s lanes, ..., sum of a[VL - 1]'s) in one vector: log2(VL) levels of
- * shuffle-add, each halving the vectors and doubling the lanes a partial sum covers */
-static inline vf reducev(const vf a[VL]) {
+/* Transposing sums, level by level: sum_pairs(a, b) adds neighbouring lanes, a's pairs in the
+ * even lanes and b's in the odd; sum_quads(p, q) of two such vectors adds neighbouring pairs, so
+ * lane 4l + m holds the sum over 4 lanes of the m-th of a, b (p's) and c, d (q's). */
 #if VL == 16
-    vf p[8], q[4], r[2];
-    for (int i = 0; i < 8; i++)
-        p[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24,
-                                       10, 26, 12, 28, 14, 30) +
-               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25,
-                                       11, 27, 13, 29, 15, 31);
-    for (int i = 0; i < 4; i++)
-        q[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9,
-                                       24, 25, 12, 13, 28, 29) +
-               __builtin_shufflevector(p[2 * i], p[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11,
-                                       26, 27, 14, 15, 30, 31);
+static inline vf sum_pairs(vf a, vf b) {
+    return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14,
+                                   30) +
+           __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15,
+                                   31);
+}
+
+static inline vf sum_quads(vf p, vf q) {
+    return __builtin_shufflevector(p, q, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
+                                   29) +
+           __builtin_shufflevector(p, q, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                   31);
+}
+#else
+static inline vf sum_pairs(vf a, vf b) {
+    return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
+static inline vf sum_quads(vf p, vf q) {
+    return __builtin_shufflevector(p, q, 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(p, q, 2, 3, 10, 11, 6, 7, 14, 15);
+}
+#endif
+
+/* (sum of a[0]'s lanes, ..., sum of a[VL - 1]'s) in one vector: log2(VL) levels of shuffle-add,
+ * each halving the vectors and doubling the lanes a partial sum covers */
+static inline vf reducev(const vf a[VL]) {
+    vf p[VL / 2], q[VL / 4];
+    for (int i = 0; i < VL / 2; i++) p[i] = sum_pairs(a[2 * i], a[2 * i + 1]);
+    for (int i = 0; i < VL / 4; i++) q[i] = sum_quads(p[2 * i], p[2 * i + 1]);
+#if VL == 16
+    vf r[2];
     for (int i = 0; i < 2; i++)
         r[i] = __builtin_shufflevector(q[2 * i], q[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9,
                                        10, 11, 24, 25, 26, 27) +
@@ -96,34 +105,19 @@ static inline vf reducev(const vf a[VL]) {
            __builtin_shufflevector(r[0], r[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
                                    29, 30, 31);
 #else
-    return reduce8(a);
+    return __builtin_shufflevector(q[0], q[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(q[0], q[1], 4, 5, 6, 7, 12, 13, 14, 15);
 #endif
 }
 
-/* lanes 0-3: the sums of a[0]'s, ..., a[3]'s lanes (the other lanes hold partial sums) */
+/* lanes 0-3: the sums of a[0]'s, ..., a[3]'s lanes (the other lanes hold partial sums): the
+ * quads' groups of four lanes folded onto the first */
 static inline vf reduce4(const vf a[4]) {
+    vf r = sum_quads(sum_pairs(a[0], a[1]), sum_pairs(a[2], a[3]));
 #if VL == 16
-    const vf p = __builtin_shufflevector(a[0], a[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26,
-                                         12, 28, 14, 30) +
-                 __builtin_shufflevector(a[0], a[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27,
-                                         13, 29, 15, 31);
-    const vf q = __builtin_shufflevector(a[2], a[3], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26,
-                                         12, 28, 14, 30) +
-                 __builtin_shufflevector(a[2], a[3], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27,
-                                         13, 29, 15, 31);
-    vf r = __builtin_shufflevector(p, q, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
-                                   29) +
-           __builtin_shufflevector(p, q, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
-                                   31);
     r += __builtin_shufflevector(r, r, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     return r + __builtin_shufflevector(r, r, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
 #else
-    const vf p = __builtin_shufflevector(a[0], a[1], 0, 8, 2, 10, 4, 12, 6, 14) +
-                 __builtin_shufflevector(a[0], a[1], 1, 9, 3, 11, 5, 13, 7, 15);
-    const vf q = __builtin_shufflevector(a[2], a[3], 0, 8, 2, 10, 4, 12, 6, 14) +
-                 __builtin_shufflevector(a[2], a[3], 1, 9, 3, 11, 5, 13, 7, 15);
-    const vf r = __builtin_shufflevector(p, q, 0, 1, 8, 9, 4, 5, 12, 13) +
-                 __builtin_shufflevector(p, q, 2, 3, 10, 11, 6, 7, 14, 15);
     return r + __builtin_shufflevector(r, r, 4, 5, 6, 7, 0, 1, 2, 3);
 #endif
 }
