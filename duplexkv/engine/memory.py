@@ -34,15 +34,16 @@ TRIM_INTERVAL_S = 30.0
 OVERDUE = 4  # intervals after which a busy engine trims between two steps anyway
 
 
-def _libc_trim():
+def _glibc(fn: str, argtypes: list, restype):
+    """glibc's function `fn` with its C signature, or None (another C library)."""
     name = ctypes.util.find_library("c")
     try:
-        fn = ctypes.CDLL(name).malloc_trim if name else None
+        f = getattr(ctypes.CDLL(name), fn) if name else None
     except (OSError, AttributeError):  # not glibc
         return None
-    if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
+    if f is not None:
+        f.argtypes, f.restype = argtypes, restype
+    return f
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
@@ -53,14 +54,9 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit (HEAP_MAX_SIZE / 2)
 def tune_heap() -> bool:
     """Keep freed activations in the heap between trims (module docstring). False where the C
     library is not glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        return False
+    mallopt = _glibc("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
     if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD,
                                                                     TRIM_THRESHOLD) == 1
     if not ok:
@@ -71,7 +67,7 @@ def tune_heap() -> bool:
 class HeapTrimmer:
     def __init__(self, interval_s: float = TRIM_INTERVAL_S) -> None:
         self.interval_s = interval_s
-        self._trim = _libc_trim()
+        self._trim = _glibc("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
         self._last = time.monotonic()
         self.trims = 0
 
