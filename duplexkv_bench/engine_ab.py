@@ -9,6 +9,10 @@ generated tokens, which must be the same for both trees.
     git worktree add /tmp/base main
     duplexkv bench engine_ab --old /tmp/base --new . [--dtype float32] [--reps 5]
         [--cases prefill:2048 prefill:8192 decode:8192x1 decode:8192x8]
+
+With two dtypes (`--old . --new . --dtype float32 bfloat16`) the old side runs the first and the
+new side the second: which dtype is faster for this engine on this CPU (what `--dtype auto`'s
+rule rests on, duplexkv/engine/dtype.py); their tokens are not compared then.
 """
 
 from __future__ import annotations
@@ -77,19 +81,23 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--old", required=True, help="the source tree before the change")
     ap.add_argument("--new", required=True, help="the source tree after it")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", nargs="+", action=Accumulate, default=["float32"],
+                    help="one dtype for both sides, or two: the old side's, then the new's")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cases", type=parse_case, nargs="+", action=Accumulate,
                     default=[parse_case(c) for c in (
         "prefill:2048", "prefill:4096", "prefill:8192", "prefill:16384", "decode:4096x1",
         "decode:8192x1", "decode:4096x8", "decode:8192x8")])
     args = ap.parse_args(argv)
+    if len(args.dtype) > 2:
+        ap.error("--dtype takes one dtype, or two (the old side's, then the new side's)")
+    dtypes = {"old": args.dtype[0], "new": args.dtype[-1]}
     max_len = max(n for _, n, _ in args.cases) + 64
     procs = {}
     for name, tree in (("old", args.old), ("new", args.new)):
         env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
         procs[name] = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve", str(max_len), args.dtype],
+            [sys.executable, os.path.abspath(__file__), "--serve", str(max_len), dtypes[name]],
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             cwd=os.path.abspath(tree))
     try:
@@ -98,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             if not line:
                 raise RuntimeError("a tree's engine exited during start-up")
-        print(f"dtype {args.dtype}; old {args.old}, new {args.new}; best and median of "
+        print(f"dtype old {dtypes['old']}, new {dtypes['new']}; old {args.old}, new {args.new}; "
+              f"best and median of "
               f"{args.reps}, order alternating\n")
         print("| case | old | new | new / old (best) | new / old (median) | same tokens | load |")
         print("|---|---|---|---|---|---|---|")
@@ -119,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             label = f"prefill {n}" if kind == "prefill" else f"decode step @{n} x{batch}"
             print(f"| {label} | {min(o) * k:.4g} {unit} | {min(w) * k:.4g} {unit} | "
                   f"{min(w) / min(o):.3f} | {statistics.median(w) / statistics.median(o):.3f} | "
-                  f"{same} | {min(loads)}-{max(loads)} |", flush=True)
+                  f"{same if dtypes['old'] == dtypes['new'] else '- (dtypes differ)'} | "
+                  f"{min(loads)}-{max(loads)} |", flush=True)
     finally:
         for p in procs.values():
             p.stdin.close()

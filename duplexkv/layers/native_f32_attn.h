@@ -44,13 +44,23 @@
             __builtin_prefetch((base) + t_ * (row_stride) + d_, 0, hint)
 
 /* The chunk's scores times its value rows for queries g0 .. g0 + gb - 1 and vectors c0 .. c0 +
- * db - 1 of the row: gb * db accumulators that stay in registers (db, gb: compile-time) */
+ * db - 1 of the row: gb * db accumulators that stay in registers (db, gb: compile-time). The
+ * first block also prefetches the next chunk's first `ahead` key and value rows into L2, one of
+ * each per value row read, so memory keeps streaming while this pass computes: the next chunk's
+ * score pass then reads its keys from L2 (bench model, 8 x 8k, float32, AMD EPYC Zen 4, 2
+ * threads: a call 3.9 -> 2.9 ms; a decode step 46.8 -> 39 ms). */
 static inline __attribute__((always_inline)) void
 pv_block(float s[][CHUNK], const float *vc, int64_t row_stride, int64_t n, int64_t g0,
-         int64_t c0, const int db, const int gb, float *part, int64_t D) {
+         int64_t c0, const int db, const int gb, float *part, int64_t D, const float *next_k,
+         const float *next_v, int64_t ahead) {
     vf acc[4][4] = {{{0}}};
+    if (c0 || g0) ahead = 0;
     for (int64_t j = 0; j < n; j++) {
         const float *vj = vc + j * row_stride + c0 * VL;
+        if (j < ahead) {
+            prefetch_rows(next_k + j * row_stride, row_stride, D, 1, VHINT);
+            prefetch_rows(next_v + j * row_stride, row_stride, D, 1, VHINT);
+        }
         vf vv[4];
         for (int c = 0; c < db; c++) vv[c] = loadv(vj + c * VL);
         for (int g = 0; g < gb; g++) {
@@ -65,9 +75,11 @@ pv_block(float s[][CHUNK], const float *vc, int64_t row_stride, int64_t n, int64
 
 /* One chunk of keys [j0, j1) for the G queries of one KV head: writes, per query, its maximum
  * score, the sum of exp(score - max) and the unnormalised sum of exp-weighted value rows (scores
- * in log2 units where exp is exp2: FA_LOG2E). */
+ * in log2 units where exp is exp2: FA_LOG2E). `ahead`: the rows of the head after j1 (to
+ * prefetch, up to a chunk). */
 static void attn_chunk(const float *q, const float *k, const float *v, int64_t row_stride,
-                       int64_t j0, int64_t j1, int64_t G, int64_t D, float scale, float *part) {
+                       int64_t j0, int64_t j1, int64_t G, int64_t D, float scale, float *part,
+                       int64_t ahead) {
     float s[MAX_G][CHUNK] __attribute__((aligned(64)));
     const int64_t n = j1 - j0, full = n / VL * VL, nv = D / VL;
     const float *kc = k + j0 * row_stride, *vc = v + j0 * row_stride;
@@ -130,17 +142,20 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
             const int gb = left >= 4 && 4 * db <= FA_ACC   ? 4
                            : left >= 2 && 2 * db <= FA_ACC ? 2
                                                            : 1;
+            const float *kn = kc + n * row_stride, *vn = vc + n * row_stride;
+#define PV(DB, GB) pv_block(s, vc, row_stride, n, g0, c0, DB, GB, part, D, kn, vn, ahead)
             switch (db * 8 + gb) { /* constant shapes, so the accumulators stay in registers */
-            case 4 * 8 + 4: pv_block(s, vc, row_stride, n, g0, c0, 4, 4, part, D); break;
-            case 4 * 8 + 2: pv_block(s, vc, row_stride, n, g0, c0, 4, 2, part, D); break;
-            case 4 * 8 + 1: pv_block(s, vc, row_stride, n, g0, c0, 4, 1, part, D); break;
-            case 2 * 8 + 4: pv_block(s, vc, row_stride, n, g0, c0, 2, 4, part, D); break;
-            case 2 * 8 + 2: pv_block(s, vc, row_stride, n, g0, c0, 2, 2, part, D); break;
-            case 2 * 8 + 1: pv_block(s, vc, row_stride, n, g0, c0, 2, 1, part, D); break;
-            case 1 * 8 + 4: pv_block(s, vc, row_stride, n, g0, c0, 1, 4, part, D); break;
-            case 1 * 8 + 2: pv_block(s, vc, row_stride, n, g0, c0, 1, 2, part, D); break;
-            default: pv_block(s, vc, row_stride, n, g0, c0, 1, 1, part, D); break;
+            case 4 * 8 + 4: PV(4, 4); break;
+            case 4 * 8 + 2: PV(4, 2); break;
+            case 4 * 8 + 1: PV(4, 1); break;
+            case 2 * 8 + 4: PV(2, 4); break;
+            case 2 * 8 + 2: PV(2, 2); break;
+            case 2 * 8 + 1: PV(2, 1); break;
+            case 1 * 8 + 4: PV(1, 4); break;
+            case 1 * 8 + 2: PV(1, 2); break;
+            default: PV(1, 1); break;
             }
+#undef PV
             g0 += gb;
         }
         c0 += db;
@@ -168,8 +183,9 @@ static void attn_units(void *ctx, int64_t u0, int64_t u1) {
         const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < j->length[b] ? j0 + CHUNK : j->length[b];
         const float *kh = (const float *)(intptr_t)j->k_base[b] + h * j->head_stride[b];
         const float *vh = (const float *)(intptr_t)j->v_base[b] + h * j->head_stride[b];
+        const int64_t rest = j->length[b] - j1;
         attn_chunk(j->q + (b * KVH + h) * G * D, kh, vh, j->row_stride[b], j0, j1, G, D,
-                   j->scale, j->parts + u * part_len);
+                   j->scale, j->parts + u * part_len, rest < CHUNK ? rest : CHUNK);
     }
 }
 
