@@ -57,7 +57,7 @@ def test_each_cpu_kind_and_dtype_has_its_own_baseline() -> None:
     committed = {p.name for p in baseline_path("float32", amx).parent.glob("engine-guard-*.json")}
     # the kinds sessions have measured so far; each file records the machine it came from
     assert {"engine-guard-avx2-float32.json", "engine-guard-amx-float32.json",
-            "engine-guard-amx-bfloat16.json"} <= committed
+            "engine-guard-amx-bfloat16.json", "engine-guard-avx512-float32.json"} <= committed
     for name in committed:
         kind, dtype = name.removeprefix("engine-guard-").removesuffix(".json").split("-")
         meta = json.loads((baseline_path("float32").parent / name).read_text())["machine"]

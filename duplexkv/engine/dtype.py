@@ -10,9 +10,19 @@ elsewhere. Measured, per kind of CPU:
   vs 18.6 ms), so a decode-heavy worker on AMX runs faster with `--dtype float32` until bf16
   has its own.
 - AVX-512 with `avx512_bf16` but no AMX (Cooper Lake, Zen 4): float32. Its bfloat16 is native dot
-  products only: a 2048^3 torch matmul on 2 threads ran 90 GFLOP/s in bfloat16 vs 195 in float32,
-  and the engine's bfloat16 was 1.15x (2k prefill) to 1.9x (decode) slower than its float32
-  (Intel Xeon with avx512_bf16 and avx512_fp16, no AMX, 2 cores; issue 31's table).
+  products only, and the engine has no bfloat16 decode kernels for it (the few-row products and
+  decode attention run PyTorch's bf16 ops), so decode, most of a serving worker's time, is 1.6-1.9x
+  slower in bfloat16:
+  - Intel Xeon with avx512_bf16 and avx512_fp16, no AMX, 2 cores (issue 31's table): a 2048^3
+    torch matmul ran 90 GFLOP/s in bfloat16 vs 195 in float32; the engine's bfloat16 was 1.15x
+    (2k prefill) to 1.9x (decode) slower than its float32.
+  - AMD EPYC Zen 4, 2 cores: the matmul runs 405-420 GFLOP/s in bfloat16 vs 165-182 in float32
+    (oneDNN's avx512_bf16 path), yet the engine's bfloat16 (`duplexkv bench engine_ab --old . --new .
+    --dtype float32 bfloat16 --reps 3`, best bf16/f32) was 0.73x at a 2k prefill, 1.00x at 8k
+    (attention), and 1.59-1.64x slower per decode step (4k x 1, 4k x 8, 8k x 8).
+  Native avx512_bf16 decode kernels (and a row-invariant bf16 linear: oneDNN's is not, so reuse
+  could change bf16 answers on the bench model there) would turn Zen 4 to bfloat16; until then,
+  float32.
 - No native bfloat16 (AVX2, Ice Lake): float32. Every bfloat16 matmul is converted in software,
   ~3x slower (Ice Lake, 2k prefill: 2.29 s in bfloat16 vs 0.81 s in float32).
 - Arm with the `bf16` feature (BFMMLA, Graviton 3): bfloat16 (not measured here).
@@ -90,8 +100,9 @@ def resolve_dtype(requested: str, flags: frozenset[str] | None) -> DtypeChoice:
                                        "faster than float32")
     if native_bf16_flag(flags) is not None:
         return DtypeChoice("float32", "auto: native bfloat16 here is avx512_bf16 without AMX, "
-                                      "measured slower than float32 (a 2048^3 matmul: 90 vs 195 "
-                                      "GFLOP/s on 2 cores), so float32")
+                                      "measured slower than float32 for this engine (decode "
+                                      "1.6-1.9x slower: no bf16 decode kernels for it), so "
+                                      "float32")
     return DtypeChoice("float32", "auto: no native bfloat16 on this CPU (none of "
                                   f"{', '.join(NATIVE_BF16_FLAGS)}), so float32 (bfloat16 would "
                                   "be emulated, ~3x slower)")
