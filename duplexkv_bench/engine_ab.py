@@ -107,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             if not line:
                 raise RuntimeError("a tree's engine exited during start-up")
         print(f"dtype old {dtypes['old']}, new {dtypes['new']}; old {args.old}, new {args.new}; "
-              f"best and median of "
-              f"{args.reps}, order alternating\n")
+              f"best and median of {args.reps}, order alternating\n")
         print("| case | old | new | new / old (best) | new / old (median) | same tokens | load |")
         print("|---|---|---|---|---|---|---|")
         for kind, n, batch in args.cases:

@@ -5,10 +5,8 @@ elsewhere. Measured, per kind of CPU:
 - AMX (`amx_bf16`, Sapphire Rapids and later): bfloat16. Intel Xeon, 2 cores: a 2048^3 torch
   matmul ran 444 GFLOP/s in bfloat16 vs 231 in float32; bench preset, 2k-token prefill: 0.82-2.65 s
   in bfloat16 vs 4.5-5.8 s in float32 (four interleaved runs, loaded machine); on a quiet machine
-  (`bench vs_vllm`, docs/results/vs-vllm.md) 0.33 vs 0.58 s. Decode has native kernels in float32
-  only so far (issue 31): there a decode step is faster in float32 (4k context, batch 1: 9.3
-  vs 18.6 ms), so a decode-heavy worker on AMX runs faster with `--dtype float32` until bf16
-  has its own.
+  (`bench vs_vllm`, docs/results/vs-vllm.md) 0.33 vs 0.58 s. bf16 decode has its own AMX kernels
+  there (docs/engine.md: a 4k-context, batch-1 step 9.15 -> 4.39 ms, faster than float32's ~9 ms).
 - AVX-512 with `avx512_bf16` but no AMX (Cooper Lake, Zen 4): float32. Its bfloat16 is native dot
   products only, and the engine has no bfloat16 decode kernels for it (the few-row products and
   decode attention run PyTorch's bf16 ops), so decode, most of a serving worker's time, is 1.6-1.9x

@@ -26,6 +26,7 @@
 #define FP_QD 16384  /* ... and at most this many query floats per task (64 KiB) */
 #define FP_MR 6      /* rows per register tile of the scores (6 x 4 vectors) */
 #define FP_PV_MR 6   /* rows per register tile of P . V (6 x 4 vectors) */
+_Static_assert(FP_MR % FP_PV_MR == 0, "P . V tiles must cover the score tiles' rows exactly");
 #define FP_MAX_D 256 /* head_dim: a multiple of 16 up to this */
 #define FP_NEG (-1e30f)
 
@@ -181,14 +182,10 @@ static void fp_task_run(const struct causal_job *j, struct fp_scratch *w,
                 fp_scores(w, t0, k0, D);
             }
         /* P . V from the first tile reaching k0, FP_PV_MR rows at a time (padded and `from` are
-         * multiples of FP_MR: with both tiles 6 rows nothing is left; the 4- and 2-row tails
-         * serve an FP_MR of 4 or 2) */
+         * multiples of FP_MR, so of FP_PV_MR: no rows are left over) */
         const float *vb = v + k0 * j->vrs[s];
-        int64_t t0 = from;
-        for (; t0 + FP_PV_MR <= padded; t0 += FP_PV_MR)
+        for (int64_t t0 = from; t0 < padded; t0 += FP_PV_MR)
             fp_pv_rows(w, t0, vb, j->vrs[s], nv, D, FP_PV_MR);
-        if (padded - t0 == 4) fp_pv_rows(w, t0, vb, j->vrs[s], nv, D, 4);
-        else if (padded - t0 == 2) fp_pv_rows(w, t0, vb, j->vrs[s], nv, D, 2);
     }
     for (int64_t i = 0; i < rows; i++) {
         const int64_t r = t->r0 + i, pi = r / G, g = r % G;
