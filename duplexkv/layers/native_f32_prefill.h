@@ -114,12 +114,11 @@ static void fp_scores(struct fp_scratch *w, int64_t t0, int64_t k0, int64_t D) {
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 neg = _mm512_set1_ps(FP_NEG);
     __mmask16 keep[FP_MR][4];
-    __m512 dm = _mm512_setzero_ps(); /* lanes 0 .. FP_MR - 1: old maximum - new maximum */
-#pragma GCC unroll 4
+    __m512 mx[8];
+#pragma GCC unroll 6
     for (int r = 0; r < FP_MR; r++) {
-        const int64_t i = t0 + r;
         if (diag) {
-            const int64_t lim = w->pos[i] - k0;
+            const int64_t lim = w->pos[t0 + r] - k0;
             for (int c = 0; c < 4; c++) {
                 const int64_t top = lim - 16 * c < -1 ? -1 : lim - 16 * c > 15 ? 15 : lim - 16 * c;
                 keep[r][c] =
@@ -127,12 +126,21 @@ static void fp_scores(struct fp_scratch *w, int64_t t0, int64_t k0, int64_t D) {
                 s[r][c] = _mm512_mask_mov_ps(neg, keep[r][c], s[r][c]);
             }
         }
-        const __m512 mx = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]),
-                                        _mm512_max_ps(s[r][2], s[r][3]));
-        const float mo = w->m[i], mb = _mm512_reduce_max_ps(mx), m = mb > mo ? mb : mo;
-        dm[r] = mo - m;
-        w->m[i] = m;
-        const __m512 mv = _mm512_set1_ps(m);
+        mx[r] = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]), _mm512_max_ps(s[r][2], s[r][3]));
+    }
+    for (int r = FP_MR; r < 8; r++) mx[r] = mx[FP_MR - 1];
+    /* the tile's rows at once, lane r for row r: the running maxima, the rescale factors */
+    const __mmask16 tile = (__mmask16)((1u << FP_MR) - 1);
+    const __m512 mo = _mm512_maskz_loadu_ps(tile, w->m + t0);
+    const __m512 mn = _mm512_max_ps(mo, v16_rowmax8(mx));
+    const __m512 alpha = v16_exp2(_mm512_sub_ps(mo, mn));
+    _mm512_mask_storeu_ps(w->m + t0, tile, mn);
+    _mm512_mask_storeu_ps(w->alpha + t0, tile, alpha);
+#pragma GCC unroll 6
+    for (int r = 0; r < FP_MR; r++) {
+        const int64_t i = t0 + r;
+        const __m512i ri = _mm512_set1_epi32(r);
+        const __m512 mv = _mm512_permutexvar_ps(ri, mn);
         __m512 sum = _mm512_setzero_ps();
         for (int c = 0; c < 4; c++) {
             __m512 e = v16_exp2(_mm512_sub_ps(s[r][c], mv));
@@ -140,15 +148,9 @@ static void fp_scores(struct fp_scratch *w, int64_t t0, int64_t k0, int64_t D) {
             _mm512_store_ps(w->p + i * FP_BK + 16 * c, e);
             sum = _mm512_add_ps(sum, e);
         }
-        s[r][0] = sum; /* kept for the denominator below */
-    }
-    const __m512 alpha = v16_exp2(dm);
-#pragma GCC unroll 4
-    for (int r = 0; r < FP_MR; r++) {
-        const int64_t i = t0 + r;
-        w->alpha[i] = alpha[r];
-        _mm512_store_ps(w->lvec + i * 16, _mm512_fmadd_ps(_mm512_load_ps(w->lvec + i * 16),
-                                                          _mm512_set1_ps(alpha[r]), s[r][0]));
+        _mm512_store_ps(w->lvec + i * 16,
+                        _mm512_fmadd_ps(_mm512_load_ps(w->lvec + i * 16),
+                                        _mm512_permutexvar_ps(ri, alpha), sum));
     }
 }
 

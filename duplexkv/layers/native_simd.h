@@ -31,6 +31,22 @@ static inline __m512 v16_exp2(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* lane r (0 .. 7) <- the largest of a[r]'s 16 lanes (lanes 8 .. 15: undefined): halves, then
+ * quarters of two vectors folded together, so eight maxima cost 24 instructions, not 8 trees */
+static inline __m512 v16_rowmax8(const __m512 a[8]) {
+    __m512 h[4], q[2];
+    for (int i = 0; i < 4; i++) /* h[i]: a[2i] folded to lanes 0-7, a[2i+1] to lanes 8-15 */
+        h[i] = _mm512_max_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+    for (int i = 0; i < 2; i++) /* q[i]: quarter k holds row 4i + k folded to 4 lanes */
+        q[i] = _mm512_max_ps(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xdd));
+    /* quarter k: lanes (row k, row k, row 4+k, row 4+k), then one lane each */
+    __m512 t = _mm512_max_ps(_mm512_shuffle_ps(q[0], q[1], 0x44), _mm512_shuffle_ps(q[0], q[1], 0xee));
+    t = _mm512_max_ps(t, _mm512_permute_ps(t, 0xb1));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0), t);
+}
+
 /* r[j][n] <- r[n][j] for a 16 x 16 matrix of 32-bit elements */
 static inline void v16_transpose16(__m512i r[16]) {
     __m512i t[16];
