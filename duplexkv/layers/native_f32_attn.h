@@ -23,6 +23,9 @@
 #define MAX_D 512
 #define CHUNK 256
 #define PREFETCH 32 /* key rows ahead */
+/* chunks a thread claims at least at once: 2k keys walked in order (a batch-1 step at 4k had
+ * grains of 2 chunks, the two threads alternating over a head's keys) */
+#define GRAIN_MIN 8
 
 #if VL == 16 /* the build's vector width (native_kernels.c) */
 #define FA_ACC 16 /* P.V accumulators kept in registers (of 32) */
@@ -239,7 +242,9 @@ int dkv_decode_attn(const float *q, float *out, const int64_t *k_base, const int
     struct attn_job job = {q, out, k_base, v_base, head_stride, row_stride, length, first,
                            parts, KVH, G, D, scale};
     const int threads = nthreads > 0 ? nthreads : 1;
-    pool_run(attn_units, &job, units, units / (8 * threads), nthreads);
+    /* eight grains per thread, but never fewer than GRAIN_MIN chunks in a row */
+    const int64_t grain = units / (8 * threads) > GRAIN_MIN ? units / (8 * threads) : GRAIN_MIN;
+    pool_run(attn_units, &job, units, grain, nthreads);
     pool_run(attn_merge, &job, B * KVH, 1, nthreads);
     free(parts);
     free(first);
