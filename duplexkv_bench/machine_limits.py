@@ -84,6 +84,15 @@ class Limits:
         return (f"machine limits: {self.dtype} matmul {self.gemm_gflops:.0f} GFLOP/s, "
                 f"read bandwidth {self.read_gbs:.1f} GB/s")
 
+    def best(self, other: Limits) -> Limits:
+        """The higher of each limit in two readings of the same machine: on a shared VM the read
+        bandwidth moved between 33 and 56 GB/s from one minute to the next, so a reading at one
+        end of a run may catch a slow minute; the floor is what the machine showed it can do."""
+        if other.dtype != self.dtype:
+            raise ValueError(f"limits in {self.dtype} and {other.dtype} do not combine")
+        return Limits(max(self.gemm_gflops, other.gemm_gflops), max(self.read_gbs, other.read_gbs),
+                      self.dtype)
+
 
 def gemm_gflops(dtype: str, n: int = 2048, reps: int = 5) -> float:
     import torch

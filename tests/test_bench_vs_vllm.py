@@ -74,6 +74,16 @@ def test_table_gives_each_sides_share_of_the_machines_limit():
     assert rows[2].endswith("| 50% | 70% |") and rows[3].endswith("| 80% | 90% |")
 
 
+def test_two_readings_of_the_limits_keep_the_higher_of_each():
+    """A run reads the machine before its servers start and after they stop; a slow minute at
+    either end must not lower the floor the shares are taken against."""
+    start = Limits(gemm_gflops=180.0, read_gbs=56.0, dtype="float32")
+    end = Limits(gemm_gflops=190.0, read_gbs=33.0, dtype="float32")
+    assert start.best(end) == Limits(190.0, 56.0, "float32") == end.best(start)
+    with pytest.raises(ValueError, match="do not combine"):
+        start.best(Limits(400.0, 56.0, "bfloat16"))
+
+
 def test_the_machines_limits_are_measured():
     assert machine_limits.gemm_gflops("float32", n=256, reps=2) > 0.1
     assert machine_limits.read_gbs(nbytes=16 << 20, reps=2) > 0.1
