@@ -84,6 +84,9 @@ class Limits:
         return (f"machine limits: {self.dtype} matmul {self.gemm_gflops:.0f} GFLOP/s, "
                 f"read bandwidth {self.read_gbs:.1f} GB/s")
 
+    def to_json(self) -> dict[str, float]:
+        return {"gemm_gflops": self.gemm_gflops, "read_gbs": self.read_gbs}
+
     def best(self, other: Limits) -> Limits:
         """The higher of each limit in two readings of the same machine: on a shared VM the read
         bandwidth moved between 33 and 56 GB/s from one minute to the next, so a reading at one

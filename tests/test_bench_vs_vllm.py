@@ -80,6 +80,7 @@ def test_two_readings_of_the_limits_keep_the_higher_of_each():
     start = Limits(gemm_gflops=180.0, read_gbs=56.0, dtype="float32")
     end = Limits(gemm_gflops=190.0, read_gbs=33.0, dtype="float32")
     assert start.best(end) == Limits(190.0, 56.0, "float32") == end.best(start)
+    assert start.best(end).to_json() == {"gemm_gflops": 190.0, "read_gbs": 56.0}
     with pytest.raises(ValueError, match="do not combine"):
         start.best(Limits(400.0, 56.0, "bfloat16"))
 
