@@ -12,9 +12,10 @@
  * the block is packed transposed (kt[d][key], 16 x 16 register transposes) so that six rows'
  * scores for 64 keys are 24 accumulators fed by broadcast query elements (four rows' 16 left the
  * score pass at ~160 GFLOP/s against P . V's ~215 on an AMD Zen 4: 4 key loads and 4 broadcasts
- * per 16 FMAs; six rows: an 8k layer 385 -> 370-379 ms, a 16k prefill 0.94x); then, per row,
- * online softmax in registers (exp2 by v16_exp2, keys past the row's position masked to exact
- * zeros); then P . V with value rows read in place (D along the lanes), 6 rows by up to 4 vectors
+ * per 16 FMAs; six rows: an 8k layer 385 -> 370-379 ms, a 16k prefill 0.94x); then online
+ * softmax in registers (the tile's row maxima by one shuffle tree, v16_rowmax8, the running maxima
+ * and rescale factors one vector per tile; exp2 by v16_exp2, keys past the row's position masked
+ * to exact zeros); then P . V with value rows read in place (D along the lanes), 6 rows by up to 4 vectors
  * of accumulators. Tiles whose rows all precede a block skip it. Tasks go to the pool costliest
  * first. float32 is not bound to chunking invariance (docs/engine.md): a row's result may differ
  * in the last bits from PyTorch's or from another split of the same prompt.
@@ -27,6 +28,7 @@
 #define FP_MR 6      /* rows per register tile of the scores (6 x 4 vectors) */
 #define FP_PV_MR 6   /* rows per register tile of P . V (6 x 4 vectors) */
 _Static_assert(FP_MR % FP_PV_MR == 0, "P . V tiles must cover the score tiles' rows exactly");
+_Static_assert(FP_MR <= 8, "a score tile's row maxima are one v16_rowmax8 of 8 vectors");
 #define FP_MAX_D 256 /* head_dim: a multiple of 16 up to this */
 #define FP_NEG (-1e30f)
 
