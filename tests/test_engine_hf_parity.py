@@ -2,43 +2,15 @@
 preset), and Llama and Qwen2 variants of it (no q/k norm; Qwen2 with random non-zero q/k/v
 biases), on short prompts and on a 1.1k-token prompt prefilled in several chunks."""
 
-import json
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from model_variants import variant
 
 from duplexkv import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
 STEPS = 32
-
-
-def variant(tiny_model_dir, out, arch: str):
-    """The tiny Qwen3 model rewritten as a Llama or Qwen2 checkpoint HF loads as such."""
-    if arch == "qwen3":
-        return tiny_model_dir
-    shutil.copytree(tiny_model_dir, out)
-    cfg = json.loads((out / "config.json").read_text())
-    w = load_file(out / "model.safetensors")
-    w = {k: v for k, v in w.items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
-    if arch == "llama":
-        cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False,
-                   mlp_bias=False)
-        cfg.pop("head_dim")  # hidden_size / num_heads, as in Llama
-    else:
-        cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
-        cfg.pop("attention_bias")
-        cfg.pop("head_dim")
-        g = torch.Generator().manual_seed(7)
-        for k in [k for k in w if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]:
-            w[k.replace(".weight", ".bias")] = torch.randn(w[k].shape[0], generator=g) * 0.5
-    save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama", "qwen2"])

@@ -30,6 +30,7 @@ class ModelRunner:
         model.rotary.inv_freq = Rotary.frequencies(cfg.head_dim, cfg.rope_theta)
         model.load_hf_weights(weights)
         model.pack_linears()
+        model.build_decode_stack()
         self.model = model.eval()
         self.pool = allocate_pool(cfg, block_size, self.dtype, num_blocks)
         self.mirrors = MirrorSet(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype,

@@ -119,6 +119,15 @@ def _rebuild_mirror(m: Mirror, pool: torch.Tensor, s: SeqAttn, layer: int) -> No
             fill_from_pool(m.kv[layer, kv], pool, s.block_table, layer, kv, s.start)
 
 
+def rebuild_mirrors(pool: torch.Tensor, ctx: AttnContext, num_layers: int) -> None:
+    """Every layer of the mirrors this step must rebuild, at once (for a step that does not go
+    through `append_mirrors` layer by layer: decode_stack.py)."""
+    for s in ctx.seqs:
+        if s.mirror is not None:
+            for layer in range(num_layers):
+                _rebuild_mirror(s.mirror, pool, s, layer)
+
+
 def append_mirrors(pool: torch.Tensor, ctx: AttnContext, layer: int, k: torch.Tensor,
                    v: torch.Tensor) -> None:
     """This step's K/V [T, KVH, D] appended to every sequence's mirror (rebuilt first if needed),

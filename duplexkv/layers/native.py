@@ -50,11 +50,12 @@ SOURCE = Path(__file__).with_name("native_kernels.c")
 SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in ("native_pool.h", "native_simd.h",
                                                     "native_amx.h", "native_amx_attn.h",
                                                     "native_bf16.h", "native_f32_attn.h",
-                                                    "native_f32_prefill.h", "native_causal.h")))
+                                                    "native_f32_prefill.h", "native_causal.h",
+                                                    "native_f32_decode.h")))
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
                  "-pthread"]
 LINK_FLAGS = ["-shared", "-pthread"]
-ABI = 6  # dkv_abi() of the source this module binds
+ABI = 7  # dkv_abi() of the source this module binds
 MAX_GROUP = 16  # native_kernels.c MAX_G
 MAX_HEAD_DIM = 512  # native_kernels.c MAX_D
 MAX_BF16_WIDTH = 32768  # native_bf16.h BF_MAX_N
@@ -136,6 +137,8 @@ def _load() -> ctypes.CDLL | None:
     lib.dkv_f32_attention_ok.restype = ctypes.c_int
     lib.dkv_f32_attention.argtypes = lib.dkv_amx_attention.argtypes
     lib.dkv_f32_attention.restype = ctypes.c_int
+    lib.dkv_f32_decode_stack.argtypes = [_f32p] * 5 + [ctypes.c_int]
+    lib.dkv_f32_decode_stack.restype = ctypes.c_int
     return lib
 
 

@@ -12,6 +12,9 @@
  * Both run their work on the thread pool of native_pool.h; the element-wise kernels at the end
  * (RMSNorm, RoPE, SiLU for a decode step's few rows) run on the calling thread.
  *
+ * dkv_f32_decode_stack (native_f32_decode.h): a float32 decode step through every decoder layer
+ * in one call of the kernels above.
+ *
  * Included: native_amx.h (the bf16 linear on AMX tiles, every row count) and native_bf16.h (bf16
  * element-wise kernels, every row count).
  */
@@ -122,7 +125,7 @@ static inline vf reduce4(const vf a[4]) {
 #endif
 }
 
-int dkv_abi(void) { return 6; }
+int dkv_abi(void) { return 7; }
 
 struct linear_job {
     const float *x, *w;
@@ -331,4 +334,5 @@ void dkv_silu_mul(const float *gu, float *out, int64_t M, int64_t I, int nthread
     pool_run(f32_silu_rows, &job, M, rows_grain(2 * I), nthreads);
 }
 
+#include "native_f32_decode.h"
 #include "native_bf16.h"

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from duplexkv.layers import native
-from duplexkv.layers.attention import paged_attention
+from duplexkv.layers.attention import get_context, paged_attention
+from duplexkv.layers.decode_stack import DecodeStack, Dims, LayerTensors
 from duplexkv.layers.linear import Linear
 from duplexkv.model.config import ModelConfig
 
@@ -188,16 +189,43 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.decode_stack: DecodeStack | None = None  # `build_decode_stack`
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 pool: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, pool)
+        stack = self.decode_stack
+        if stack is not None and stack.takes(x, ctx := get_context()):
+            x, residual = stack(x, cos, sin, pool, ctx)  # the layers below, in one native call
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, cos, sin, pool)
         return self.norm(x, residual)[0]
+
+    def build_decode_stack(self) -> bool:
+        """Run float32 decode steps through `DecodeStack` from now on, where it runs here (call
+        after loading the weights). Returns whether it does."""
+        self.decode_stack = None
+        if self.embed_tokens.weight.dtype != torch.float32 or not DecodeStack.runs_here():
+            return False
+        cfg = self.cfg
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(LayerTensors(
+                layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                attn.qkv_proj.weight.detach(),
+                None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.detach(),
+                attn.qk_norm_weight if attn.qk_norm else None, attn.o_proj.weight.detach(),
+                mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach()))
+        self.decode_stack = DecodeStack(layers, Dims(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.rms_norm_eps, cfg.rms_norm_eps if cfg.qk_norm else 0.0,
+            cfg.head_dim ** -0.5))
+        return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,172 @@
+"""A float32 decode step through every decoder layer in one native call (native_f32_decode.h).
+
+A decode step of a few sequences runs ~10 kernels per layer, each reached through Python: a
+module call, shape checks, tensor views and allocations, a ctypes call. On the bench model
+(float32, AMD EPYC Zen 4, 2 threads) that Python took ~1.3 ms of an 8.6 ms step at 4k context
+x 1 sequence and ~4 ms of 24 ms at 4k x 8, time in which memory stood still. `DecodeStack` runs
+the same kernels in the same order on the same values from C, once per step: its hidden states
+equal the layer-by-layer path's to the bit (tests/test_decode_stack.py), so it changes no token.
+
+It takes a step when (`takes`): the model runs in float32 on the native kernels, every sequence
+of the step decodes one token (no prefill chunk in the step) and has a mirror (staging.py), and
+there are at most `linear.NATIVE_ROWS` of them (more go to another product in `linear`). Any
+other step takes the layer-by-layer path. `DUPLEXKV_DECODE_STACK=0` turns it off (A/B).
+
+The C side trusts the addresses it gets; `__call__` checks every shape, stride and bound first.
+The weights' addresses are taken once (`DecodeStack.__init__`): the model's float32 parameters
+are loaded in place and never replaced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+
+from duplexkv.layers import linear, native
+from duplexkv.layers.attention import AttnContext, rebuild_mirrors
+
+ENABLED = os.environ.get("DUPLEXKV_DECODE_STACK", "1") != "0"
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class LayerWeights(ctypes.Structure):  # native_f32_decode.h struct dkv_layer_weights
+    _fields_ = [(name, _ptr) for name in ("in_norm", "post_norm", "qkv", "qkv_bias", "qk_norm",
+                                          "o", "gate_up", "down")]
+
+
+class StackDims(ctypes.Structure):  # struct dkv_stack_dims
+    _fields_ = [*((name, _i64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim",
+                                            "inter")),
+                ("eps", _f32), ("qk_eps", _f32), ("scale", _f32)]
+
+
+class DecodeRows(ctypes.Structure):  # struct dkv_decode_rows
+    _fields_ = [("B", _i64), ("cos", _ptr), ("sin", _ptr), ("mirror", _ptr), ("cap", _ptr),
+                ("pos", _ptr), ("pool", _ptr), ("slot", _ptr), ("pool_layer", _i64),
+                ("pool_kv", _i64)]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTensors:
+    """One decoder layer's float32 weights, as the C side reads them."""
+    in_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2 KVH) D, hidden]
+    qkv_bias: torch.Tensor | None  # [(H + 2 KVH) D]
+    qk_norm: torch.Tensor | None  # [H + KVH, D]
+    o: torch.Tensor  # [hidden, H D]
+    gate_up: torch.Tensor  # [2 I, hidden]
+    down: torch.Tensor  # [hidden, I]
+
+
+@dataclass(frozen=True, slots=True)
+class Dims:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float  # the layers' RMSNorm
+    qk_eps: float  # the per-head norm's (0 without one)
+    scale: float  # attention's
+
+
+def _check(t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() \
+            or t.device.type != "cpu":
+        raise ValueError(f"decode stack: {what} is {t.dtype} {tuple(t.shape)}, expected "
+                         f"contiguous float32 {shape}")
+
+
+class DecodeStack:
+    def __init__(self, layers: list[LayerTensors], dims: Dims) -> None:
+        d = dims
+        nqkv = (d.heads + 2 * d.kv_heads) * d.head_dim
+        if (d.kv_heads < 1 or d.heads % d.kv_heads or d.head_dim % 16
+                or d.head_dim > native.MAX_HEAD_DIM or d.heads // d.kv_heads > native.MAX_GROUP
+                or d.hidden % 16 or d.inter % 16 or not layers):
+            raise ValueError(f"decode stack: unsupported dimensions {d}")
+        for i, w in enumerate(layers):
+            for t, shape, name in ((w.in_norm, (d.hidden,), "in_norm"),
+                                   (w.post_norm, (d.hidden,), "post_norm"),
+                                   (w.qkv, (nqkv, d.hidden), "qkv"),
+                                   (w.o, (d.hidden, d.heads * d.head_dim), "o"),
+                                   (w.gate_up, (2 * d.inter, d.hidden), "gate_up"),
+                                   (w.down, (d.hidden, d.inter), "down")):
+                _check(t, shape, f"layer {i} {name}")
+            if w.qkv_bias is not None:
+                _check(w.qkv_bias, (nqkv,), f"layer {i} qkv_bias")
+            if w.qk_norm is not None:
+                _check(w.qk_norm, (d.heads + d.kv_heads, d.head_dim), f"layer {i} qk_norm")
+        self.layers, self.dims = layers, dims  # keeps the tensors alive
+        self._weights = (LayerWeights * len(layers))(*(LayerWeights(
+            w.in_norm.data_ptr(), w.post_norm.data_ptr(), w.qkv.data_ptr(),
+            None if w.qkv_bias is None else w.qkv_bias.data_ptr(),
+            None if w.qk_norm is None else w.qk_norm.data_ptr(), w.o.data_ptr(),
+            w.gate_up.data_ptr(), w.down.data_ptr()) for w in layers))
+        self._dims = StackDims(len(layers), d.hidden, d.heads, d.kv_heads, d.head_dim, d.inter,
+                               d.eps, d.qk_eps, d.scale)
+
+    @staticmethod
+    def runs_here() -> bool:
+        """Whether a float32 model builds one here (kernels built, not turned off)."""
+        return ENABLED and linear.ENABLED and native.available()
+
+    def takes(self, x: torch.Tensor, ctx: AttnContext) -> bool:
+        """Whether this step (x [B, hidden], its embeddings) runs here: see the module doc."""
+        seqs = ctx.seqs
+        return (x.dtype == torch.float32 and 0 < len(seqs) == x.shape[0] <= linear.NATIVE_ROWS
+                and all(s.num_new == 1 and s.mirror is not None for s in seqs)
+                and native.available())
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 pool: torch.Tensor, ctx: AttnContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer over this step's embeddings x [B, hidden] (`takes` first) -> (the last
+        layer's output, the residual stream): what the layer loop returns, bit for bit."""
+        d, L = self.dims, len(self.layers)
+        b = x.shape[0]
+        x = x.contiguous()
+        _check(x, (b, d.hidden), "x")
+        half = d.head_dim // 2
+        cos, sin = cos.reshape(b, half), sin.reshape(b, half)
+        _check(cos, (b, half), "cos")
+        _check(sin, (b, half), "sin")
+        if pool.dtype != torch.float32 or pool.dim() != 6 or not pool.is_contiguous() \
+                or pool.shape[1] != L or pool.shape[2] != 2 \
+                or tuple(pool.shape[4:]) != (d.kv_heads, d.head_dim):
+            raise ValueError(f"decode stack: pool {pool.dtype} {tuple(pool.shape)}")
+        blocks, offsets = ctx.slot_blocks.tolist(), ctx.slot_offsets.tolist()
+        if len(blocks) != b or len(offsets) != b:
+            raise ValueError(f"decode stack: {len(blocks)} slots for {b} rows")
+        rebuild_mirrors(pool, ctx, L)
+        mirrors, caps, pos, slots = [], [], [], []
+        for i, s in enumerate(ctx.seqs):
+            kv = s.mirror.kv
+            if (kv.dtype != torch.float32 or kv.dim() != 5 or not kv.is_contiguous()
+                    or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4])
+                    != (L, 2, d.kv_heads, d.head_dim) or not 0 <= s.start < kv.shape[3]
+                    or s.q_start != i or not 0 <= blocks[i] < pool.shape[0]
+                    or not 0 <= offsets[i] < pool.shape[3]):
+                raise ValueError(f"decode stack: sequence {i} at {s.start} (row {s.q_start}), "
+                                 f"mirror {tuple(kv.shape)}, slot {blocks[i]}/{offsets[i]}")
+            mirrors.append(kv.data_ptr())
+            caps.append(kv.shape[3])
+            pos.append(s.start)
+            slots.append(blocks[i] * pool.stride(0) + offsets[i] * pool.stride(3))
+        arr = _i64 * b
+        cols = [arr(*c) for c in (mirrors, caps, pos, slots)]
+        rows = DecodeRows(b, cos.data_ptr(), sin.data_ptr(), *(ctypes.addressof(c)
+                                                               for c in cols[:3]),
+                          pool.data_ptr(), ctypes.addressof(cols[3]), pool.stride(1),
+                          pool.stride(2))
+        out = torch.empty_like(x)
+        rc = native.library().dkv_f32_decode_stack(
+            ctypes.addressof(self._weights), ctypes.addressof(self._dims), ctypes.addressof(rows),
+            x.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("native decode stack: out of memory or unsupported shape")
+        return out, x

@@ -1,0 +1,149 @@
+"""A float32 decode step through every layer in one native call (layers/decode_stack.py) computes
+what the layer-by-layer path computes, to the bit: every step's logits are compared, for Qwen3
+(q/k norm) and Qwen2 (q/k/v biases, no q/k norm), for mirrors appended to and mirrors rebuilt
+from the pool (a D worker's first step after a pull, a preempted sequence)."""
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from model_variants import variant
+
+from duplexkv import LLM, SamplingParams
+from duplexkv.layers import native
+from duplexkv.layers.attention import AttnContext
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built here")
+
+
+def stack_spy(llm: LLM) -> list[bool]:
+    """Records, per step, whether the model's decode stack took it."""
+    stack = llm.engine.runner.model.decode_stack
+    assert stack is not None, "a float32 model on the native kernels builds its decode stack"
+    taken: list[bool] = []
+    takes = stack.takes
+
+    def spy(x, ctx):
+        taken.append(takes(x, ctx))
+        return taken[-1]
+
+    stack.takes = spy
+    return taken
+
+
+def step_logits(llm: LLM, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Greedy-generate `steps` tokens for every prompt at once; the logits of each step."""
+    seen: list[torch.Tensor] = []
+    runner = llm.engine.runner
+    orig = runner.run
+
+    def run(batch):
+        out = orig(batch)
+        if out is not None:
+            seen.append(out.clone())
+        return out
+
+    runner.run = run
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
+    finally:
+        runner.run = orig
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_every_step_equals_the_layer_loop_bit_for_bit(arch, tiny_model_dir, tmp_path):
+    d = variant(tiny_model_dir, tmp_path / arch, arch)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 4000) for _ in range(n)] for n in (9, 130, 301)]
+    stacked = LLM(str(d), dtype="float32", num_kv_blocks=128)
+    assert stacked.engine.model_config.architecture == arch
+    taken = stack_spy(stacked)
+    looped = LLM(str(d), dtype="float32", num_kv_blocks=128)
+    looped.engine.runner.model.decode_stack = None
+    got, want = step_logits(stacked, prompts, 24), step_logits(looped, prompts, 24)
+    assert len(got) == len(want) >= 24
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max().item()}"
+    assert sum(taken) >= 23, taken  # every decode step (the prefill steps are the loop's)
+    stacked.engine.check_integrity()
+
+
+def test_rebuilt_mirrors_give_the_same_step(tiny_model_dir):
+    """The same decode batch run three times: on appended mirrors through the stack, then on
+    mirrors rebuilt from the pool (their length no longer matches) through the stack and through
+    the layer loop: the same logits and the same K/V written to the pool."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=128)
+    eng = llm.engine
+    rng = random.Random(5)
+    for n in (40, 77, 200):
+        eng.add_request([rng.randrange(3, 4000) for _ in range(n)],
+                        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    while eng.scheduler.waiting or any(s.in_prefill for s in eng.scheduler.running):
+        eng.step()
+    eng.step()
+    taken = stack_spy(llm)
+    batch = eng.scheduler.schedule()
+    assert len(batch) == 3 and all(item.num_new_tokens == 1 for item in batch)
+    runner, bs = eng.runner, eng.runner.block_size
+    slots = [(item.seq.block_table[item.start // bs], item.start % bs) for item in batch]
+
+    @torch.inference_mode()  # the pool and mirrors are inference tensors
+    def run():
+        """The step's logits and what it wrote to its pool slots (poisoned before), with the
+        mirrors poisoned after: a rebuild must copy every position it reads from the pool."""
+        for b, o in slots:
+            runner.pool[b, :, :, o] = float("nan")
+        logits = runner.run(batch)
+        written = torch.stack([runner.pool[b, :, :, o].clone() for b, o in slots])
+        for m in runner.mirrors.mirrors.values():
+            m.kv.fill_(float("nan"))
+        return logits, written
+
+    appended, rebuilt = run(), run()
+    model = runner.model
+    stack, model.decode_stack = model.decode_stack, None
+    looped = run()
+    model.decode_stack = stack
+    assert taken == [True, True]
+    for got in (rebuilt, looped):
+        assert torch.equal(appended[0], got[0]) and torch.equal(appended[1], got[1])
+    assert not appended[0].isnan().any() and not appended[1].isnan().any()
+
+
+def test_a_slot_outside_the_pool_is_refused_before_the_kernel(tiny_model_dir):
+    """The C side trusts the addresses it gets: a step whose slot lies past the pool is a
+    ValueError, not a write into someone else's memory."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    eng = llm.engine
+    eng.add_request(list(range(3, 60)), SamplingParams(max_tokens=4, temperature=0,
+                                                       ignore_eos=True))
+    eng.step()
+    eng.step()
+    captured = []
+    model = eng.runner.model
+    stack = model.decode_stack
+    takes = stack.takes
+    stack.takes = lambda x, ctx: captured.append(ctx) or takes(x, ctx)
+    eng.runner.run(eng.scheduler.schedule())
+    ctx = captured[-1]
+    pool = eng.runner.pool
+    bad = AttnContext(ctx.seqs, torch.tensor([pool.shape[0]]), ctx.slot_offsets)
+    cfg = eng.model_config
+    x = torch.zeros(1, cfg.hidden_size)
+    cos = sin = torch.zeros(1, cfg.head_dim // 2)
+    with pytest.raises(ValueError, match="slot"):
+        stack(x, cos, sin, pool, bad)
+
+
+def test_the_switch_turns_it_off(tiny_model_dir):
+    code = ("from duplexkv import LLM; "
+            f"print(LLM({str(tiny_model_dir)!r}, dtype='float32', num_kv_blocks=16)"
+            ".engine.runner.model.decode_stack)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "DUPLEXKV_DECODE_STACK": "0"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "None"
