@@ -12,10 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from test_router import ARGS, SYSTEM, bidi, conv, start_router, user
-from test_router_faults import LONG, healthy_turn
+from test_router_faults import healthy_turn
 from workers import start_worker, stopping
 
 EXTRA_S = 2.5  # the bound: ~2 s beyond a healthy turn
+# tokens of the JSON answers a D is hung or killed in: the leg must last long enough for the test
+# to see it in flight and strike inside it (240 took ~0.13 s once float32 decode steps ran as one
+# native call, and a loaded CI machine once missed the leg altogether)
+JSON_LONG = 640
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +63,13 @@ def _d_fails_mid_json(cluster, oracle, sig) -> None:
     ps, ds, r = cluster
     messages = [{"role": "system", "content": SYSTEM}, user(8)]
     t = time.perf_counter()
-    want = _json_answer(r, messages, LONG)[0]  # undisturbed, through the router
+    want = _json_answer(r, messages, JSON_LONG)[0]  # undisturbed, through the router
     base = time.perf_counter() - t
-    assert want == oracle(messages, LONG).text
+    assert want == oracle(messages, JSON_LONG).text
     hit: list = []
     with ThreadPoolExecutor(1) as pool:
         t = time.perf_counter()
-        fut = pool.submit(_json_answer, r, messages, LONG)
+        fut = pool.submit(_json_answer, r, messages, JSON_LONG)
         d = _busy(r, "decode", ds)
         time.sleep(min(0.3, base / 3))  # inside the answer
         d.proc.send_signal(sig)
@@ -77,7 +81,7 @@ def _d_fails_mid_json(cluster, oracle, sig) -> None:
             if sig == signal.SIGSTOP:
                 d.proc.send_signal(signal.SIGCONT)
     print(f"D {sig.name} mid-JSON answer: {took:.2f} s, undisturbed {base:.2f} s")
-    assert usage["completion_tokens"] == LONG, usage
+    assert usage["completion_tokens"] == JSON_LONG, usage
     assert text == want
     # hung: marked down by the watch's probe; killed: the broken call (a request whose kept
     # connection broke before any answer byte is sent once more, on a fresh one: refused), or
