@@ -28,7 +28,7 @@ def test_the_kernels_build_here():
     assert native.available(), "native kernels did not build (see the log's warning)"
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 8, 16])  # tiles of 4, 2 and 1 rows of x
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 8, 9, 12, 15, 16])  # every tile shape
 @pytest.mark.parametrize("n,k", [(64, 64), (67, 192), (4096, 32), (5, 16)])
 def test_linear_matches_torch(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
