@@ -2,8 +2,8 @@
 
 A decode step of a few sequences runs ~10 kernels per layer, each reached through Python: a
 module call, shape checks, tensor views and allocations, a ctypes call. On the bench model
-(float32, AMD EPYC Zen 4, 2 threads) that Python took ~1.3 ms of an 8.6 ms step at 4k context
-x 1 sequence and ~4 ms of 24 ms at 4k x 8, time in which memory stood still. `DecodeStack` runs
+(float32, AMD EPYC Zen 4, 2 threads) that Python took ~2 ms of an 8.5 ms step at 4k context
+x 1 sequence and ~2 ms of 25 ms at 4k x 8 (in-process), time in which memory stood still. `DecodeStack` runs
 the same kernels in the same order on the same values from C, once per step: its hidden states
 equal the layer-by-layer path's to the bit (tests/test_decode_stack.py), so it changes no token.
 

@@ -6,8 +6,8 @@
  * decode attention, the output product, RMSNorm, gate/up, SiLU x up, down), in the same order,
  * with the same arguments, so its result is the same to the bit; what it saves is the Python
  * between them: ~10 calls per layer, each with its checks, tensor views and allocations (bench
- * model, float32, AMD EPYC Zen 4, 2 threads: ~1.3 ms of an 8.6 ms step at 4k x 1, ~4 ms of 24 ms
- * at 4k x 8; docs/engine.md).
+ * model, float32, AMD EPYC Zen 4, 2 threads, in-process: a step at 4k x 1 8.5 -> 6.5 ms, at 4k x 8
+ * 25.2 -> 23.3 ms; docs/engine.md).
  *
  * Layout: the pool is [blocks, layers, 2, block_size, KVH, D]; row b's slot in layer l, K (kv 0)
  * or V (kv 1), starts at pool + slot[b] + l * pool_layer + kv * pool_kv. Sequence b's mirror is

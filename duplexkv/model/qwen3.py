@@ -241,7 +241,9 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, merging q/k/v and gate/up into one matmul each."""
+        """Copy HF-named tensors in, merging q/k/v and gate/up into one matmul each. Drops the
+        decode stack, which holds the old weights' addresses (`build_decode_stack` again)."""
+        self.decode_stack = None
         def take(name: str) -> torch.Tensor:
             return weights[name]
 
