@@ -1,10 +1,13 @@
-"""The tiny Qwen3 checkpoint rewritten as other architectures the engine runs (tests' helper)."""
+"""Tests' helpers for comparing the engine with HF or with itself: the tiny Qwen3 checkpoint
+rewritten as other architectures the engine runs, and the logits of every step of a generation."""
 
 import json
 import shutil
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from duplexkv import LLM, SamplingParams
 
 
 def variant(tiny_model_dir, out, arch: str):
@@ -30,3 +33,25 @@ def variant(tiny_model_dir, out, arch: str):
               metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg))
     return out
+
+
+def step_logits(llm: LLM, prompts: list[list[int]], steps: int):
+    """Greedy-generate `steps` tokens for every prompt at once -> (the outputs, the logits the
+    sampler saw at each step, [sampling rows, vocab] each)."""
+    seen: list[torch.Tensor] = []
+    runner = llm.engine.runner
+    orig = runner.run
+
+    def run(batch):
+        out = orig(batch)
+        if out is not None:
+            seen.append(out.clone())
+        return out
+
+    runner.run = run
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=steps, temperature=0,
+                                                    ignore_eos=True))
+    finally:
+        runner.run = orig
+    return outs, seen

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from model_variants import variant
+from model_variants import step_logits, variant
 
 from duplexkv import LLM, SamplingParams
 from duplexkv.layers import native
@@ -34,26 +34,6 @@ def stack_spy(llm: LLM) -> list[bool]:
     return taken
 
 
-def step_logits(llm: LLM, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
-    """Greedy-generate `steps` tokens for every prompt at once; the logits of each step."""
-    seen: list[torch.Tensor] = []
-    runner = llm.engine.runner
-    orig = runner.run
-
-    def run(batch):
-        out = orig(batch)
-        if out is not None:
-            seen.append(out.clone())
-        return out
-
-    runner.run = run
-    try:
-        llm.generate(prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
-    finally:
-        runner.run = orig
-    return seen
-
-
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 def test_every_step_equals_the_layer_loop_bit_for_bit(arch, tiny_model_dir, tmp_path):
     d = variant(tiny_model_dir, tmp_path / arch, arch)
@@ -64,7 +44,7 @@ def test_every_step_equals_the_layer_loop_bit_for_bit(arch, tiny_model_dir, tmp_
     taken = stack_spy(stacked)
     looped = LLM(str(d), dtype="float32", num_kv_blocks=128)
     looped.engine.runner.model.decode_stack = None
-    got, want = step_logits(stacked, prompts, 24), step_logits(looped, prompts, 24)
+    got, want = step_logits(stacked, prompts, 24)[1], step_logits(looped, prompts, 24)[1]
     assert len(got) == len(want) >= 24
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"step {i}: max |diff| {(a - b).abs().max().item()}"

@@ -4,7 +4,7 @@ biases), on short prompts and on a 1.1k-token prompt prefilled in several chunks
 
 import pytest
 import torch
-from model_variants import variant
+from model_variants import step_logits, variant
 
 from duplexkv import LLM, SamplingParams
 
@@ -25,27 +25,6 @@ def model(request, tiny_model_dir, tmp_path_factory):
     return request.param, d, hf
 
 
-def engine_logits(llm: LLM, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy-generate `steps` tokens, recording the logits the sampler saw at each step."""
-    seen: list[torch.Tensor] = []
-    runner = llm.engine.runner
-    orig = runner.run
-
-    def run(batch):
-        out = orig(batch)
-        if out is not None:
-            seen.append(out[0].clone())
-        return out
-
-    runner.run = run
-    try:
-        out = llm.generate([prompt], SamplingParams(max_tokens=steps, temperature=0,
-                                                    ignore_eos=True))[0]
-    finally:
-        runner.run = orig
-    return out.token_ids, seen
-
-
 @pytest.mark.parametrize("prompt_len, chunk", [(5, 4096), (16, 4096), (53, 4096), (1100, 256)])
 def test_logits_and_tokens_match_transformers(model, prompt_len, chunk):
     """Token ids equal and logits within 1e-4 at every step; the 1100-token prompt is prefilled
@@ -56,7 +35,8 @@ def test_logits_and_tokens_match_transformers(model, prompt_len, chunk):
     prompt = torch.randint(3, vocab, (prompt_len,)).tolist()
     llm = LLM(str(d), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=chunk)
     assert llm.engine.model_config.architecture == arch
-    tokens, logits = engine_logits(llm, prompt, STEPS)
+    outs, seen = step_logits(llm, [prompt], STEPS)
+    tokens, logits = outs[0].token_ids, [step[0] for step in seen]
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False,
                                 output_logits=True, return_dict_in_generate=True,
