@@ -22,7 +22,7 @@
 #define MAX_G 16
 #define MAX_D 512
 #define CHUNK 256
-#define PREFETCH 32 /* key rows ahead */
+#define PREFETCH 16 /* key rows ahead */
 /* chunks a thread claims at least at once: 2k keys walked in order (a batch-1 step at 4k had
  * grains of 2 chunks, the two threads alternating over a head's keys) */
 #define GRAIN_MIN 8
@@ -37,9 +37,11 @@
 #define FA_EXP_SCALAR expf
 #endif
 
-/* key rows ahead into L1 (locality 3), the chunk's value rows into L2 (2): L1 hints for the
- * values were 8 % slower (bench model, 8 x 4k, AMX Xeon) */
-#define KHINT 3
+/* key rows ahead and the chunk's value rows, both into L2 (locality 2): L1 hints for the values
+ * were 8 % slower (bench model, 8 x 4k, AMX Xeon); for the keys, 16 rows ahead into L2 instead of
+ * 32 into L1 made a call 0.87-0.92x at 8 x 4k and 8 x 8k, 0.94-0.98x at 1 x 4k-8k (AMD Zen 4, 2
+ * threads, KV out of cache, builds alternated; 8 rows ahead into L2 or 16 into L1: no gain) */
+#define KHINT 2
 #define VHINT 2
 #define prefetch_rows(base, row_stride, D, rows, hint)                                         \
     for (int64_t t_ = 0; t_ < (rows); t_++)                                                    \
