@@ -3,9 +3,10 @@
 A decode step of a few sequences runs ~10 kernels per layer, each reached through Python: a
 module call, shape checks, tensor views and allocations, a ctypes call. On the bench model
 (float32, AMD EPYC Zen 4, 2 threads) that Python took ~2 ms of an 8.5 ms step at 4k context
-x 1 sequence and ~2 ms of 25 ms at 4k x 8 (in-process), time in which memory stood still. `DecodeStack` runs
-the same kernels in the same order on the same values from C, once per step: its hidden states
-equal the layer-by-layer path's to the bit (tests/test_decode_stack.py), so it changes no token.
+x 1 sequence and ~2 ms of 25 ms at 4k x 8 (in-process), time in which memory stood still.
+`DecodeStack` runs the same kernels in the same order on the same values from C, once per step:
+its hidden states equal the layer-by-layer path's to the bit (tests/test_decode_stack.py), so it
+changes no token.
 
 It takes a step when (`takes`): the model runs in float32 on the native kernels, every sequence
 of the step decodes one token (no prefill chunk in the step) and has a mirror (staging.py), and

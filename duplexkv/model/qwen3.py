@@ -216,15 +216,17 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             layers.append(LayerTensors(
-                layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                attn.qkv_proj.weight.detach(),
+                layer.input_layernorm.weight.detach(),
+                layer.post_attention_layernorm.weight.detach(), attn.qkv_proj.weight.detach(),
                 None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.detach(),
                 attn.qk_norm_weight if attn.qk_norm else None, attn.o_proj.weight.detach(),
                 mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach()))
+        # eps and scale as the layer loop's modules hold them, so both paths use the same values
+        first = self.layers[0]
+        attn = first.self_attn
         self.decode_stack = DecodeStack(layers, Dims(
-            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, cfg.rms_norm_eps, cfg.rms_norm_eps if cfg.qk_norm else 0.0,
-            cfg.head_dim ** -0.5))
+            cfg.hidden_size, attn.num_heads, attn.num_kv, attn.head_dim, first.mlp.inter,
+            first.input_layernorm.eps, attn.q_norm.eps if attn.qk_norm else 0.0, attn.scale))
         return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
