@@ -16,6 +16,13 @@ grouped-query attention, the Qwen3/Llama shape of `config.json`):
                    (4 x heads x head_dim x T(T+1)/2 per layer) + the LM head for the last token
     decode bytes   (the layers' linear weights + the LM head) x dtype bytes
                    + 2 (K and V) x layers x kv_heads x head_dim x context x batch x dtype bytes
+    decode FLOPs   2 x (the layers' linear weights + the LM head) x batch
+                   + 4 x layers x heads x head_dim x context x batch (scores and P . V)
+
+A decode step's floor is its bytes over the read bandwidth; the table also shows the time its
+FLOPs take at the GEMM rate (`decode_compute_ms`). Where that comes near the floor (float32 at
+batch 8 on 2 cores: every weight float meets 8 rows, 4 FLOPs per byte), the floor is out of reach
+for any kernel that does not hide all of its arithmetic under its memory reads.
 """
 
 from __future__ import annotations
@@ -61,6 +68,10 @@ class Shape:
         attention = 4.0 * self.layers * self.heads * self.head_dim * tokens * (tokens + 1) / 2
         return linear + attention + 2.0 * self.hidden * self.vocab
 
+    def decode_flops(self, context: int, batch: int) -> float:
+        linear = 2.0 * (self.layers * self.layer_weights() + self.hidden * self.vocab) * batch
+        return linear + 4.0 * self.layers * self.heads * self.head_dim * context * batch
+
     def decode_bytes(self, context: int, batch: int, dtype: str) -> float:
         size = DTYPE_BYTES[dtype]
         weights = (self.layers * self.layer_weights() + self.hidden * self.vocab) * size
@@ -79,6 +90,12 @@ class Limits:
 
     def decode_share(self, shape: Shape, context: int, batch: int, tpot_s: float) -> float:
         return shape.decode_bytes(context, batch, self.dtype) / tpot_s / (self.read_gbs * 1e9)
+
+    def decode_floor_ms(self, shape: Shape, context: int, batch: int) -> float:
+        return shape.decode_bytes(context, batch, self.dtype) / (self.read_gbs * 1e9) * 1e3
+
+    def decode_compute_ms(self, shape: Shape, context: int, batch: int) -> float:
+        return shape.decode_flops(context, batch) / (self.gemm_gflops * 1e9) * 1e3
 
     def describe(self) -> str:
         return (f"machine limits: {self.dtype} matmul {self.gemm_gflops:.0f} GFLOP/s, "

@@ -163,15 +163,26 @@ def share(key: str, seconds: float | None, limits: Limits, shape: Shape) -> str:
     return f"{limits.decode_share(shape, int(rest[0]), int(rest[1][1:]), seconds):.0%}"
 
 
+def floors(key: str, limits: Limits, shape: Shape) -> str:
+    """A decode row's bandwidth floor and the time its FLOPs take at the GEMM rate."""
+    kind, *rest = key.split()
+    if kind == "ttft":
+        return "—"
+    ctx, batch = int(rest[0]), int(rest[1][1:])
+    return (f"{limits.decode_floor_ms(shape, ctx, batch):.3g} ms / "
+            f"{limits.decode_compute_ms(shape, ctx, batch):.3g} ms")
+
+
 def table(vllm: dict[str, float], ours: dict[str, float], limits: Limits | None = None,
           shape: Shape | None = None) -> str:
     """Markdown: measurement | vLLM | duplexkv | ratio | target (ratio <= target?), and with
     `limits` each side's share of the machine's limit (prefill: of the GEMM rate; decode: of
-    the bandwidth floor)."""
+    the bandwidth floor) and, for decode, the floor beside the time of its FLOPs."""
     extra = limits is not None and shape is not None
     rows = ["| | vLLM-CPU | duplexkv worker | ratio (duplexkv / vLLM) | target |" +
-            (" vLLM, of the limit | duplexkv, of the limit |" if extra else ""),
-            "|---|---|---|---|---|" + ("---|---|" if extra else "")]
+            (" vLLM, of the limit | duplexkv, of the limit | decode floor / its FLOPs at the "
+             "GEMM rate |" if extra else ""),
+            "|---|---|---|---|---|" + ("---|---|---|" if extra else "")]
     for key in [k for k in vllm if k in ours] + [k for k in ours if k not in vllm]:
         kind = key.split()[0]
         unit, k = ("s", 1.0) if kind == "ttft" else ("ms", 1e3)
@@ -185,7 +196,8 @@ def table(vllm: dict[str, float], ours: dict[str, float], limits: Limits | None 
             r, ok = "—", "—"
         row = f"| {label(key)} | {cell(v)} | {cell(o)} | {r} | ≤ {TARGETS[kind]} ({ok}) |"
         if extra:
-            row += f" {share(key, v, limits, shape)} | {share(key, o, limits, shape)} |"
+            row += (f" {share(key, v, limits, shape)} | {share(key, o, limits, shape)} |"
+                    f" {floors(key, limits, shape)} |")
         rows.append(row)
     return "\n".join(rows)
 

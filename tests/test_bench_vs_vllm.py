@@ -60,6 +60,9 @@ def test_useful_work_of_a_prefill_and_a_decode_step():
     weights = (8 * per_layer + 512 * 32000) * 4
     assert shape.decode_bytes(4096, 8, "float32") == weights + 2 * 8 * 2 * 64 * 4096 * 8 * 4
     assert shape.decode_bytes(4096, 1, "bfloat16") == (weights + 2 * 8 * 2 * 64 * 4096 * 4) / 2
+    # every weight meets each of the batch's rows; each query head meets every key and value
+    assert shape.decode_flops(4096, 8) == (2 * (8 * per_layer + 512 * 32000) * 8
+                                           + 4 * 8 * 8 * 64 * 4096 * 8)
 
 
 def test_table_gives_each_sides_share_of_the_machines_limit():
@@ -70,8 +73,12 @@ def test_table_gives_each_sides_share_of_the_machines_limit():
     vllm = {"ttft 2048": flops / 50e9, "tpot 4096 x8": step / 8e9}  # 50 % and 80 %
     ours = {"ttft 2048": flops / 70e9, "tpot 4096 x8": step / 9e9}  # 70 % and 90 %
     rows = vs_vllm.table(vllm, ours, limits, shape).splitlines()
-    assert rows[0].endswith("vLLM, of the limit | duplexkv, of the limit |")
-    assert rows[2].endswith("| 50% | 70% |") and rows[3].endswith("| 80% | 90% |")
+    assert rows[0].endswith("vLLM, of the limit | duplexkv, of the limit | decode floor / its "
+                            "FLOPs at the GEMM rate |")
+    floor_ms = step / 10e9 * 1e3
+    compute_ms = shape.decode_flops(4096, 8) / 100e9 * 1e3
+    assert rows[2].endswith("| 50% | 70% | — |")
+    assert rows[3].endswith(f"| 80% | 90% | {floor_ms:.3g} ms / {compute_ms:.3g} ms |")
 
 
 def test_two_readings_of_the_limits_keep_the_higher_of_each():
