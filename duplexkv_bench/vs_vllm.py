@@ -47,10 +47,9 @@ from duplexkv.flags import Accumulate
 from duplexkv.launch import spawn, wait_ready, worker_args
 from duplexkv.model.registry import resolve_model
 from duplexkv_bench import vllm_venv
-from duplexkv_bench.machine_limits import Limits, Shape, busy_fraction, cpu_line, loadavg, settle
+from duplexkv_bench.machine_limits import Shape, busy_fraction, cpu_line, loadavg, settle
 from duplexkv_bench.machine_limits import measure as measure_limits
-
-TARGETS = {"ttft": 0.9, "tpot": 0.8}  # issue 18: ours / vLLM at most this
+from duplexkv_bench.vs_vllm_table import table
 
 
 def stream(client: httpx.Client, url: str, model: str, prompt: list[int],
@@ -143,63 +142,6 @@ def measure(urls: dict[str, str], args: argparse.Namespace, prompts: dict
         for c in clients.values():
             c.close()
     return out
-
-
-def label(key: str) -> str:
-    kind, *rest = key.split()
-    if kind == "ttft":
-        return f"TTFT, {int(rest[0]):,} tokens"
-    return f"time per output token at {int(rest[0]):,} context, batch {rest[1][1:]}"
-
-
-def share(key: str, seconds: float | None, limits: Limits, shape: Shape) -> str:
-    """A figure as a share of the machine's limit: prefill of its GEMM rate, decode of the
-    bandwidth floor (machine_limits.py)."""
-    if not seconds:
-        return "—"
-    kind, *rest = key.split()
-    if kind == "ttft":
-        return f"{limits.prefill_share(shape, int(rest[0]), seconds):.0%}"
-    return f"{limits.decode_share(shape, int(rest[0]), int(rest[1][1:]), seconds):.0%}"
-
-
-def floors(key: str, limits: Limits, shape: Shape) -> str:
-    """A decode row's bandwidth floor and the time its FLOPs take at the GEMM rate."""
-    kind, *rest = key.split()
-    if kind == "ttft":
-        return "—"
-    ctx, batch = int(rest[0]), int(rest[1][1:])
-    return (f"{limits.decode_floor_ms(shape, ctx, batch):.3g} ms / "
-            f"{limits.decode_compute_ms(shape, ctx, batch):.3g} ms")
-
-
-def table(vllm: dict[str, float], ours: dict[str, float], limits: Limits | None = None,
-          shape: Shape | None = None) -> str:
-    """Markdown: measurement | vLLM | duplexkv | ratio | target (ratio <= target?), and with
-    `limits` each side's share of the machine's limit (prefill: of the GEMM rate; decode: of
-    the bandwidth floor) and, for decode, the floor beside the time of its FLOPs."""
-    extra = limits is not None and shape is not None
-    rows = ["| | vLLM-CPU | duplexkv worker | ratio (duplexkv / vLLM) | target |" +
-            (" vLLM, of the limit | duplexkv, of the limit | decode floor / its FLOPs at the "
-             "GEMM rate |" if extra else ""),
-            "|---|---|---|---|---|" + ("---|---|---|" if extra else "")]
-    for key in [k for k in vllm if k in ours] + [k for k in ours if k not in vllm]:
-        kind = key.split()[0]
-        unit, k = ("s", 1.0) if kind == "ttft" else ("ms", 1e3)
-        v, o = vllm.get(key), ours.get(key)
-        cell = lambda x: "—" if x is None else f"{x * k:.3g} {unit}"  # noqa: E731
-        if v and o:
-            ratio = o / v
-            ok = "met" if ratio <= TARGETS[kind] else "missed"
-            r = f"{ratio:.3f}"
-        else:
-            r, ok = "—", "—"
-        row = f"| {label(key)} | {cell(v)} | {cell(o)} | {r} | ≤ {TARGETS[kind]} ({ok}) |"
-        if extra:
-            row += (f" {share(key, v, limits, shape)} | {share(key, o, limits, shape)} |"
-                    f" {floors(key, limits, shape)} |")
-        rows.append(row)
-    return "\n".join(rows)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
