@@ -89,7 +89,7 @@ class Limits:
         return shape.prefill_flops(tokens) / ttft_s / (self.gemm_gflops * 1e9)
 
     def decode_share(self, shape: Shape, context: int, batch: int, tpot_s: float) -> float:
-        return shape.decode_bytes(context, batch, self.dtype) / tpot_s / (self.read_gbs * 1e9)
+        return self.decode_floor_ms(shape, context, batch) / 1e3 / tpot_s
 
     def decode_floor_ms(self, shape: Shape, context: int, batch: int) -> float:
         return shape.decode_bytes(context, batch, self.dtype) / (self.read_gbs * 1e9) * 1e3

@@ -9,11 +9,18 @@ from duplexkv_bench.machine_limits import Limits, Shape
 TARGETS = {"ttft": 0.9, "tpot": 0.8}  # issue 18: ours / vLLM at most this
 
 
-def label(key: str) -> str:
+def parse(key: str) -> tuple[str, int, int]:
+    """A measurement's key -> (kind, tokens or context, batch): "ttft 2048" -> ("ttft", 2048, 1),
+    "tpot 4096 x8" -> ("tpot", 4096, 8)."""
     kind, *rest = key.split()
+    return kind, int(rest[0]), int(rest[1][1:]) if kind == "tpot" else 1
+
+
+def label(key: str) -> str:
+    kind, n, batch = parse(key)
     if kind == "ttft":
-        return f"TTFT, {int(rest[0]):,} tokens"
-    return f"time per output token at {int(rest[0]):,} context, batch {rest[1][1:]}"
+        return f"TTFT, {n:,} tokens"
+    return f"time per output token at {n:,} context, batch {batch}"
 
 
 def share(key: str, seconds: float | None, limits: Limits, shape: Shape) -> str:
@@ -21,18 +28,17 @@ def share(key: str, seconds: float | None, limits: Limits, shape: Shape) -> str:
     bandwidth floor (machine_limits.py)."""
     if not seconds:
         return "—"
-    kind, *rest = key.split()
+    kind, n, batch = parse(key)
     if kind == "ttft":
-        return f"{limits.prefill_share(shape, int(rest[0]), seconds):.0%}"
-    return f"{limits.decode_share(shape, int(rest[0]), int(rest[1][1:]), seconds):.0%}"
+        return f"{limits.prefill_share(shape, n, seconds):.0%}"
+    return f"{limits.decode_share(shape, n, batch, seconds):.0%}"
 
 
 def floors(key: str, limits: Limits, shape: Shape) -> str:
     """A decode row's bandwidth floor and the time its FLOPs take at the GEMM rate."""
-    kind, *rest = key.split()
+    kind, ctx, batch = parse(key)
     if kind == "ttft":
         return "—"
-    ctx, batch = int(rest[0]), int(rest[1][1:])
     return (f"{limits.decode_floor_ms(shape, ctx, batch):.3g} ms / "
             f"{limits.decode_compute_ms(shape, ctx, batch):.3g} ms")
 
@@ -48,7 +54,7 @@ def table(vllm: dict[str, float], ours: dict[str, float], limits: Limits | None 
              "GEMM rate |" if extra else ""),
             "|---|---|---|---|---|" + ("---|---|---|" if extra else "")]
     for key in [k for k in vllm if k in ours] + [k for k in ours if k not in vllm]:
-        kind = key.split()[0]
+        kind = parse(key)[0]
         unit, k = ("s", 1.0) if kind == "ttft" else ("ms", 1e3)
         v, o = vllm.get(key), ours.get(key)
         cell = lambda x: "—" if x is None else f"{x * k:.3g} {unit}"  # noqa: E731
