@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from duplexkv.layers import hugepages
 from duplexkv.engine.kv_pool import DTYPE, allocate_pool
 from duplexkv.engine.scheduler import ScheduledSeq
 from duplexkv.layers.attention import (AttnContext, build_seq_attn, mirror_block,
@@ -29,6 +30,7 @@ class ModelRunner:
         # cast with the model: recompute the float32 table
         model.rotary.inv_freq = Rotary.frequencies(cfg.head_dim, cfg.rope_theta)
         model.load_hf_weights(weights)
+        hugepages.move_parameters(model)  # before the stack and AMX packs take addresses
         model.pack_linears()
         model.build_decode_stack()
         self.model = model.eval()
