@@ -95,6 +95,14 @@ def test_move_parameters_keeps_values_ties_and_order():
     assert huge_kib(m.embed.weight) >= 2048
 
 
+def test_views_of_one_storage_are_refused():
+    m = torch.nn.Module()
+    whole = torch.zeros(8, 16)
+    m.a, m.b = torch.nn.Parameter(whole[:4]), torch.nn.Parameter(whole[4:])
+    with pytest.raises(ValueError, match="views of one storage"):
+        hugepages.move_parameters(m)
+
+
 def test_an_engine_keeps_its_weights_in_one_arena_and_answers_the_same(monkeypatch):
     prompts = [[5 + i for i in range(200)], [9 + 3 * i for i in range(300)]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -70,6 +70,9 @@ def move_parameters(module: torch.nn.Module) -> int:
     sizes = {ptr: ts[0].numel() * ts[0].element_size() for ptr, ts in tensors.items()}
     if any(len({(t.shape, t.dtype) for t in ts}) > 1 for ts in tensors.values()):
         raise ValueError("move_parameters: tensors that share a start differ in shape or dtype")
+    storages = {ts[0].untyped_storage().data_ptr() for ts in tensors.values()}
+    if len(storages) < len(tensors):  # views into one storage: copies would stop aliasing
+        raise ValueError("move_parameters: parameters that are views of one storage")
     total = sum(-(-n // ALIGN) * ALIGN for n in sizes.values())
     if not ENABLED or not total:
         return 0
