@@ -120,3 +120,19 @@ def test_an_engine_keeps_its_weights_in_one_arena_and_answers_the_same(monkeypat
     monkeypatch.setattr(hugepages, "ENABLED", False)
     plain, _ = run()
     assert tokens == plain
+
+
+def test_the_weights_move_after_the_amx_packs_release_theirs_and_before_the_stack(monkeypatch):
+    """On AMX, `pack_linears` releases each packed weight's plain copy; moved before it, the copies
+    would stay resident in the arena (the embedding and norms keep the mapping alive)."""
+    from duplexkv.model.qwen3 import CausalLM
+
+    calls = []
+    for name in ("pack_linears", "build_decode_stack"):
+        real = getattr(CausalLM, name)
+        monkeypatch.setattr(CausalLM, name, lambda self, _r=real, _n=name: calls.append(_n) or _r(self))
+    real_move = hugepages.move_parameters
+    monkeypatch.setattr(hugepages, "move_parameters",
+                        lambda m: calls.append("move_parameters") or real_move(m))
+    LLM("tiny")
+    assert calls == ["pack_linears", "move_parameters", "build_decode_stack"]

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from duplexkv.layers import hugepages
 from duplexkv.engine.kv_pool import DTYPE, allocate_pool
 from duplexkv.engine.scheduler import ScheduledSeq
-from duplexkv.layers.attention import (AttnContext, build_seq_attn, mirror_block,
-                                       reset_context, set_context)
+from duplexkv.layers import hugepages
+from duplexkv.layers.attention import (
+    AttnContext,
+    build_seq_attn,
+    mirror_block,
+    reset_context,
+    set_context,
+)
 from duplexkv.layers.staging import MirrorSet
 from duplexkv.model.config import ModelConfig
 from duplexkv.model.qwen3 import CausalLM, Rotary
@@ -30,8 +35,8 @@ class ModelRunner:
         # cast with the model: recompute the float32 table
         model.rotary.inv_freq = Rotary.frequencies(cfg.head_dim, cfg.rope_theta)
         model.load_hf_weights(weights)
-        hugepages.move_parameters(model)  # before the stack and AMX packs take addresses
-        model.pack_linears()
+        model.pack_linears()  # first: the weights it packs are released, not moved
+        hugepages.move_parameters(model)  # before the decode stack takes their addresses
         model.build_decode_stack()
         self.model = model.eval()
         self.pool = allocate_pool(cfg, block_size, self.dtype, num_blocks)

@@ -7,8 +7,10 @@ dot product like dkv_linear's 44-48 -> 56-61). Linux gives an anonymous mapping 
 is advised so (`/sys/kernel/mm/transparent_hugepage/enabled` = `madvise`, a common default) or
 always; glibc's heap and torch's allocator do not advise by default. So `move_parameters` puts the
 weights in one anonymous mapping of their own, aligned to 2 MiB, advised `MADV_HUGEPAGE`, in module
-order (a decode step's reading order). Bench model, float32, in-process decode steps at 4k x 1,
-two engines in one process alternated: 0.94-0.96x the time; prefill unchanged.
+order (a decode step's reading order), after the AMX packs (where they run) have released the
+plain copies of what they pack; the packed copies stay where amx.py put them. Bench model,
+float32, in-process decode steps at 4k x 1, two engines in one process alternated: 0.94-0.96x the
+time; prefill unchanged.
 
 Only the weights: they are written once, at load. On this VM a huge page's first touch costs
 ~4-5 ms per MiB (the host backs the guest's memory lazily and takes freed 2 MiB blocks back), so
