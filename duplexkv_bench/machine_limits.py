@@ -5,7 +5,7 @@ measured in the same run, with the share of it a server's figure reaches.
                    threads: GFLOP/s. Prefill is matmul-bound, so a prefill's useful FLOPs over its
                    TTFT, divided by this rate, is how close it runs to the machine's limit.
     read bandwidth best of `reps` sums of a 1 GiB float32 tensor on huge pages, as the engine's
-                   weights and KV are (2 MiB pages read 5-20 % faster than 4 KiB ones here): GB/s.
+                   weights are (2 MiB pages read 5-20 % faster than 4 KiB ones here): GB/s.
                    A decode step must read every weight once and the KV of every sequence of
                    the batch, so those bytes over the step's time, divided by this bandwidth, is
                    how close decode runs to the bandwidth floor.
@@ -134,7 +134,7 @@ def read_gbs(nbytes: int = 1 << 30, reps: int = 5) -> float:
 
     from duplexkv.layers import hugepages
 
-    # on huge pages, as the engine's weights and KV are (layers/hugepages.py): the machine's best
+    # on huge pages, as the engine's weights are (layers/hugepages.py): the machine's best
     x = hugepages.zeros((nbytes // 4,), torch.float32)
     x.fill_(1.0)
     x.sum()

@@ -68,7 +68,7 @@ class Tied(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(1000, 512)
-        self.mid = torch.nn.Linear(512, 300)  # 300 x 512 x 4 bytes: not a multiple of 64 after
+        self.mid = torch.nn.Linear(512, 300)  # its bias, 1,200 bytes, is no multiple of 64
         self.head = torch.nn.Linear(512, 1000, bias=False)
         self.head.weight = self.embed.weight
         self.register_buffer("table", torch.arange(7, dtype=torch.float32))
@@ -130,7 +130,8 @@ def test_the_weights_move_after_the_amx_packs_release_theirs_and_before_the_stac
     calls = []
     for name in ("pack_linears", "build_decode_stack"):
         real = getattr(CausalLM, name)
-        monkeypatch.setattr(CausalLM, name, lambda self, _r=real, _n=name: calls.append(_n) or _r(self))
+        monkeypatch.setattr(CausalLM, name,
+                            lambda self, _r=real, _n=name: calls.append(_n) or _r(self))
     real_move = hugepages.move_parameters
     monkeypatch.setattr(hugepages, "move_parameters",
                         lambda m: calls.append("move_parameters") or real_move(m))
