@@ -136,7 +136,7 @@ def read_gbs(nbytes: int = 1 << 30, reps: int = 5) -> float:
 
     # on huge pages, as the engine's weights are (layers/hugepages.py): the machine's best
     x = hugepages.zeros((nbytes // 4,), torch.float32)
-    x.fill_(1.0)
+    x.fill_(1.0)  # written first: untouched pages would all read the one shared zero page
     x.sum()
     best = float("inf")
     for _ in range(reps):

@@ -75,7 +75,8 @@ def move_parameters(module: torch.nn.Module) -> int:
     storages = {ts[0].untyped_storage().data_ptr() for ts in tensors.values()}
     if len(storages) < len(tensors):  # views into one storage: copies would stop aliasing
         raise ValueError("move_parameters: parameters that are views of one storage")
-    total = sum(-(-n // ALIGN) * ALIGN for n in sizes.values())
+    padded = {ptr: -(-n // ALIGN) * ALIGN for ptr, n in sizes.items()}  # each start aligned
+    total = sum(padded.values())
     if not ENABLED or not total:
         return 0
     buf, offset = _mapping(total)
@@ -88,5 +89,5 @@ def move_parameters(module: torch.nn.Module) -> int:
             dst.copy_(first)
             for t in ts:
                 t.data = dst
-            at += -(-sizes[ptr] // ALIGN) * ALIGN
+            at += padded[ptr]
     return total
