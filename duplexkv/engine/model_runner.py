@@ -76,4 +76,17 @@ class ModelRunner:
                 sa.mirror.length = sa.ctx_len
         if not sample_rows:
             return None
-        return self.model.logits(hidden[sample_rows])
+        return self.model.logits(sampled_rows(hidden, sample_rows))
+
+
+def sampled_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The rows of hidden [T, H] that sample, in order, without an OpenMP parallel region: a
+    decode step's rows are all of them (no copy), and `index_select` gathers a few rows on the
+    calling thread where `hidden[rows]` (aten::index) opens a parallel region from 8 rows on.
+    With libgomp's default wait policy, that region's thread then spins on the other core through
+    the LM head that follows (AMD EPYC Zen 4, 2 threads, 4k x 8 in-process: the LM head took 3.3
+    ms instead of 2.1); with OMP_WAIT_POLICY=PASSIVE, as workers run, it still wakes a thread
+    every step. docs/engine.md has the A/B."""
+    if len(rows) == hidden.shape[0]:
+        return hidden  # rows ascend strictly within [0, T): T of them are 0 .. T - 1
+    return hidden.index_select(0, torch.tensor(rows))

@@ -52,9 +52,19 @@ class Embedding(nn.Embedding):
 
 
 class Rotary(nn.Module):
+    """RoPE's cos and sin per position, from tables of every position up to the highest one asked
+    so far (grown by doubling). A step indexes them instead of computing cos/sin: torch's
+    element-wise cos and sin can open an OpenMP region from 128 elements on (seen in a fresh
+    process and at tiny's head dim with hidden 512, 8 sequences; not after the bench model's
+    steps), and a region in a decode step wakes a thread that competes with the kernels' own pool
+    (tests/test_parallel_regions.py). The tables hold the bits the same ops
+    give per step: cos/sin of each product, float32, whatever the slice (checked for head dims
+    32-128 over 40k positions)."""
+
     def __init__(self, head_dim: int, theta: float, max_pos: int) -> None:
         super().__init__()
         self.register_buffer("inv_freq", self.frequencies(head_dim, theta), persistent=False)
+        self.cos_table = self.sin_table = torch.empty(0, head_dim // 2)
 
     @staticmethod
     def frequencies(head_dim: int, theta: float) -> torch.Tensor:
@@ -62,10 +72,19 @@ class Rotary(nn.Module):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         return 1.0 / (theta**exponents)
 
+    def tables(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin [P, head_dim / 2] for positions 0 .. P - 1, P >= upto."""
+        if upto > self.cos_table.shape[0]:
+            size = max(upto, 2 * self.cos_table.shape[0], 1024)
+            freqs = torch.arange(size).float()[:, None] * self.inv_freq[None, :]
+            self.cos_table, self.sin_table = freqs.cos(), freqs.sin()
+        return self.cos_table, self.sin_table
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos and sin [T, 1, head_dim / 2]: HF's tables repeat these twice along the last axis."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        cos, sin = self.tables(int(positions.max()) + 1)
+        return (cos.index_select(0, positions).to(dtype)[:, None, :],
+                sin.index_select(0, positions).to(dtype)[:, None, :])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
