@@ -35,6 +35,7 @@ SCRIPTS = {
     "vllm_multiturn": "vLLM P/D multi-turn TTFT: one-way, vLLM's sample proxy and our router, "
                       "one interleaved run, answers against a single vLLM server",
     "soak": "conversations through router + P + D for a given time: RSS of every process",
+    "sampler_cost": "one row's sampling per vocabulary size and setting (--old TREE beside it)",
 }
 
 

@@ -60,6 +60,12 @@ def sample_token(row: torch.Tensor, p: SamplingParams, banned: list[int], prompt
     return sample_row(row, p, generator)
 
 
+# how many of the most probable tokens a top-p nucleus is looked for among, in turn, before the
+# whole vocabulary is sorted: Qwen's 151,936 probabilities took 12-35 ms to sort, their top 256
+# 0.3 ms, top 4,096 1.0 ms, top 32,768 ~2 ms (AMD EPYC Zen 4, 2 threads)
+NUCLEUS_CANDIDATES = (256, 4096, 32768)
+
+
 @torch.inference_mode()
 def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from one processed row of logits [V] (float32)."""
@@ -72,13 +78,41 @@ def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator 
     probs = torch.softmax(row, dim=-1)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    ids = None  # the token id of each entry of probs; None: entry i is token i
     if p.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        cum = sorted_p.cumsum(-1)
-        drop = cum - sorted_p > p.top_p  # keep the smallest set whose mass reaches top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        probs, ids = nucleus(probs, p.top_p)
     total = float(probs.sum())
     if not total > 0.0 or total != total or total == float("inf"):
         raise ValueError("no token can be sampled: every token is banned or has no probability")
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    j = race(probs, generator)
+    return j if ids is None else int(ids[j])
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest set of most probable tokens whose mass reaches top_p: (their probabilities,
+    descending, the rest of the candidates 0; their token ids). A token is kept when the mass
+    before it is at most top_p. When the k most probable tokens hold more than top_p, every token
+    past them is dropped (the mass before each is more), so the nucleus is found among them; the
+    whole vocabulary is sorted only when none of `NUCLEUS_CANDIDATES` holds that much."""
+    for k in NUCLEUS_CANDIDATES:
+        if k >= probs.shape[0]:
+            break
+        sorted_p, ids = torch.topk(probs, k)  # descending
+        cum = sorted_p.cumsum(-1)
+        if float(cum[-1]) > top_p:
+            return sorted_p.masked_fill(cum - sorted_p > top_p, 0.0), ids
+    sorted_p, ids = torch.sort(probs, descending=True)
+    cum = sorted_p.cumsum(-1)
+    return sorted_p.masked_fill(cum - sorted_p > top_p, 0.0), ids
+
+
+def race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Entry i with probability probs[i] / sum(probs): the first of independent exponential clocks
+    with rates probs[i] to ring, i.e. argmax probs[i] / E_i with E_i ~ Exp(1), as vLLM samples
+    (torch.multinomial took 3-8 ms for one draw over 151,936 tokens on the same CPU). E_i = -log
+    U_i, U_i uniform in [0, 1) (`exponential_` took 3.1 ms for those 151,936, uniform_ and log
+    0.9): never 0 (U < 1), and infinite (U = 0) only clamped to the largest float, so a token of
+    probability 0 is never drawn and a lone token of positive probability always is."""
+    clocks = torch.empty_like(probs).uniform_(generator=generator).log_().neg_()
+    clocks.clamp_(max=torch.finfo(probs.dtype).max)
+    return int((probs / clocks).argmax())
