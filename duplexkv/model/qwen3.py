@@ -59,11 +59,13 @@ class Rotary(nn.Module):
     steps), and a region in a decode step wakes a thread that competes with the kernels' own pool
     (tests/test_parallel_regions.py). The tables hold the bits the same ops
     give per step: cos/sin of each product, float32, whatever the slice (checked for head dims
-    32-128 over 40k positions)."""
+    32-128 over 40k positions). Their size: head_dim x 4 bytes per position, at most
+    max_position_embeddings positions unless a step asks for more (the bench model: 8 MiB)."""
 
     def __init__(self, head_dim: int, theta: float, max_pos: int) -> None:
         super().__init__()
         self.register_buffer("inv_freq", self.frequencies(head_dim, theta), persistent=False)
+        self.max_pos = max_pos  # the tables' doubling stops here (positions past it still work)
         self.cos_table = self.sin_table = torch.empty(0, head_dim // 2)
 
     @staticmethod
@@ -75,7 +77,7 @@ class Rotary(nn.Module):
     def tables(self, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos and sin [P, head_dim / 2] for positions 0 .. P - 1, P >= upto."""
         if upto > self.cos_table.shape[0]:
-            size = max(upto, 2 * self.cos_table.shape[0], 1024)
+            size = max(upto, min(2 * self.cos_table.shape[0], self.max_pos), 1024)
             freqs = torch.arange(size).float()[:, None] * self.inv_freq[None, :]
             self.cos_table, self.sin_table = freqs.cos(), freqs.sin()
         return self.cos_table, self.sin_table
