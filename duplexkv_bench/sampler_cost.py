@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from duplexkv.engine import sampler as this_sampler
+from duplexkv.flags import Accumulate
 from duplexkv.wire.sampling import SamplingParams
 
 SETTINGS = [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9},
@@ -66,7 +67,7 @@ def measure(vocab: int, rounds: int, samplers: dict) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="duplexkv bench sampler_cost", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936])
+    ap.add_argument("--vocab", type=int, nargs="+", action=Accumulate, default=[32000, 151936])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--old", help="another source tree whose sampler runs beside this one")
     ap.add_argument("--json", help="write the rows here")
