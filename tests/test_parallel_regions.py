@@ -20,6 +20,7 @@ import sys
 import pytest
 from safetensors.torch import save_file
 
+from duplexkv.layers import native
 from duplexkv.model.presets import get_preset
 from duplexkv.model.synth import config_json, init_weights
 
@@ -71,7 +72,7 @@ def wide_model(tiny_model_dir, out):
 
 
 def test_decode_step_opens_no_openmp_region(tiny_model_dir, tmp_path):
-    cc = shutil.which("cc") or shutil.which("gcc")
+    cc = native.compiler()
     if cc is None:
         pytest.skip("no C compiler for the libgomp shim")
     (tmp_path / "shim.c").write_text(SHIM)

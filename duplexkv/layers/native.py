@@ -75,8 +75,12 @@ def _cpu_digest() -> str:
     return f"{platform.machine()} {flags}"
 
 
+def compiler() -> str | None:  # the kernels' C compiler: $CC, else cc or gcc on PATH
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _build(target: Path) -> None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = compiler()
     if cc is None:
         raise OSError("no C compiler (cc or gcc) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
