@@ -5,9 +5,8 @@ region in between wakes libgomp's team, whose thread then competes with the pool
 other core (with libgomp's default wait policy it spins there through the LM head that follows).
 Selecting the sampling rows with `hidden[rows]` did that from 8 rows of width 512 on, and RoPE's
 cos/sin from 128 elements on: an in-process 4k x 8 step took 17.6 ms instead of 13.8 (AMD EPYC Zen
-4, 2 threads, float32; docs/engine.md). The count comes
-from a shim preloaded into a child process that wraps libgomp's `GOMP_parallel`, which torch's
-`at::parallel_for` calls for every region.
+4, 2 threads, float32; docs/engine.md). The count comes from a shim preloaded into a child process
+that wraps libgomp's `GOMP_parallel`, which torch's `at::parallel_for` calls for every region.
 """
 
 import dataclasses
@@ -18,10 +17,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import save_file
 
 from duplexkv.layers import native
 from duplexkv.model.presets import get_preset
+from duplexkv.model.qwen3 import Rotary
 from duplexkv.model.synth import config_json, init_weights
 
 SHIM = r"""
@@ -92,10 +93,6 @@ def test_decode_step_opens_no_openmp_region(tiny_model_dir, tmp_path):
 
 def test_rope_tables_hold_the_bits_computed_per_step():
     """The tables grow as positions rise and give what cos/sin of the positions give directly."""
-    import torch
-
-    from duplexkv.model.qwen3 import Rotary
-
     for head_dim in (32, 64, 80, 128):
         rope = Rotary(head_dim, 1e6, 40960)
         gen = torch.Generator().manual_seed(head_dim)

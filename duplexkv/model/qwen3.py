@@ -57,10 +57,10 @@ class Rotary(nn.Module):
     element-wise cos and sin can open an OpenMP region from 128 elements on (seen in a fresh
     process and at tiny's head dim with hidden 512, 8 sequences; not after the bench model's
     steps), and a region in a decode step wakes a thread that competes with the kernels' own pool
-    (tests/test_parallel_regions.py). The tables hold the bits the same ops
-    give per step: cos/sin of each product, float32, whatever the slice (checked for head dims
-    32-128 over 40k positions). Their size: head_dim x 4 bytes per position, at most
-    max_position_embeddings positions unless a step asks for more (the bench model: 8 MiB)."""
+    (tests/test_parallel_regions.py). The tables hold the bits the same ops give per step: cos/sin
+    of each product, float32, whatever the slice (checked for head dims 32-128 over 40k
+    positions). Their size: head_dim x 4 bytes per position, at most max_position_embeddings
+    positions unless a step asks for more (the bench model: 8 MiB)."""
 
     def __init__(self, head_dim: int, theta: float, max_pos: int) -> None:
         super().__init__()
