@@ -161,12 +161,22 @@ linear_tile(const float *x, const float *const w[4], float *y, int64_t rows, int
     }
 }
 
+/* How far ahead the few-row products prefetch weight rows into L2, in rows. Near: the hardware
+ * prefetcher carries a long stream by itself, and a prefetch 16 rows (32 KB) ahead competed with
+ * it; what the software prefetch adds is the start of each weight's stream. AMD Zen 4, 2
+ * threads, float32, a decode step's weights (bench shapes, 8 layers + LM head, 161 MB on huge
+ * pages), alternated in random order, as a share of a 1 GiB sum in the same round (fast memory
+ * spells / slow): 1 row of x 16 rows ahead with two grains per thread 0.74 / 1.02, 2 ahead with
+ * one grain 0.92 / 1.07; 8 rows of x (pairs) 16 ahead 0.58 / 0.95, 4 ahead 0.61 / 1.00 */
+#define ROW_AHEAD 2  /* linear_row: two rows (4 KB at K 512) */
+#define PAIR_AHEAD 4 /* linear_pairs: the pair after next */
+#define TILE_AHEAD 4 /* linear_blocks: the next block of four */
+
 /* one row of x against the weight rows [n0, n1), one weight row after another: a thread reads
  * its rows as one sequential stream (four interleaved row streams, as the blocks below read them,
  * stalled the hardware prefetcher on long runs: a 1 GiB weight read at 36 GB/s against 46 for
- * the sequential stream, AMD Zen 4), the row 16 ahead prefetched into L2 (the stream's start, which
- * the hardware prefetcher misses, matters on the layers' 1-6 MB weights); four accumulators */
-#define ROW_AHEAD 16
+ * the sequential stream, AMD Zen 4), the row ROW_AHEAD ahead prefetched into L2; four
+ * accumulators */
 static void linear_row(const float *x, const float *w, float *y, int64_t n0, int64_t n1,
                        int64_t K) {
     for (int64_t n = n0; n < n1; n++) {
@@ -189,7 +199,7 @@ static void linear_row(const float *x, const float *w, float *y, int64_t n0, int
 #if VL == 16
 #define PAIR_MR 8 /* rows of x per pair of weight rows: 8 x 2 accumulators of 32 registers */
 /* two weight rows (w1 == w0 when the range has one left: its sums are not stored) against mr
- * (compile-time) rows of x, the row 16 ahead of w0 prefetched into L2 */
+ * (compile-time) rows of x, two rows from PAIR_AHEAD ahead of w0 prefetched into L2 */
 static inline __attribute__((always_inline)) void
 linear_pair(const float *x, const float *w0, const float *w1, float *y, int rows, int64_t N,
             int64_t K, const int mr, const float *pf) {
@@ -222,7 +232,7 @@ static void linear_pairs(const float *x, const float *w, float *y, int64_t n0, i
     for (int64_t n = n0; n < n1; n += 2) {
         const int rows = n + 1 < n1 ? 2 : 1;
         const float *w0 = w + n * K, *w1 = rows > 1 ? w0 + K : w0;
-        const float *pf = K >= 256 && n + 18 <= n1 ? w0 + 16 * K : NULL;
+        const float *pf = K >= 256 && n + PAIR_AHEAD + 2 <= n1 ? w0 + PAIR_AHEAD * K : NULL;
         int64_t m = 0;
         for (; m + PAIR_MR <= M; m += PAIR_MR, pf = NULL)
             linear_pair(x + m * K, w0, w1, y + m * N + n, rows, N, K, PAIR_MR, pf);
@@ -259,8 +269,9 @@ static void linear_blocks(void *ctx, int64_t b0, int64_t b1) {
         const float *const w[4] = {w0, w0 + (rows > 1 ? K : 0), w0 + (rows > 2 ? 2 * K : 0),
                                    w0 + (rows > 3 ? 3 * K : 0)};
         float *y = j->y + n0;
-        /* the block four ahead (16 rows), prefetched into L2 while x meets this one */
-        const float *pf = K >= 256 && n0 + 20 <= N ? w0 + 16 * K : NULL; /* short rows: cached */
+        /* the next block, prefetched into L2 while x meets this one */
+        const float *pf = K >= 256 && n0 + TILE_AHEAD + 4 <= N ? w0 + TILE_AHEAD * K
+                                                              : NULL; /* short rows: cached */
         int64_t m = 0;
         for (; m + LIN_MR <= M; m += LIN_MR, pf = NULL)
             linear_tile(x + m * K, w, y + m * N, rows, N, K, LIN_MR, pf);
@@ -274,11 +285,13 @@ void dkv_linear(const float *x, const float *w, float *y, int64_t M, int64_t N, 
                 int nthreads) {
     struct linear_job job = {x, w, y, M, N, K};
     const int64_t nblocks = (N + 3) / 4;
-    /* two grains per thread: a thread streams long runs of rows (its prefetches stay its own),
-     * and a late thread still leaves work to share. Eight per thread read a decode step's weights
-     * 5-10 % slower (AMD Zen 4, 2 threads, the bench model's shapes, M 1 and 8, interleaved) */
-    pool_run(linear_blocks, &job, nblocks, nblocks / (2 * (nthreads > 0 ? nthreads : 1)),
-             nthreads);
+    /* one grain per thread: each thread streams one run of rows, the threads' runs a half of the
+     * weight apart. Two grains per thread (neighbouring runs at a time) read a decode step's
+     * weights at 0.85 of one grain's rate in fast memory spells, eight 5-10 % slower still (AMD
+     * Zen 4, 2 threads, bench shapes, M 1 and 8, interleaved); a helper late to wake costs the
+     * step its wake-up, but inside a step the helpers spin (native_pool.h) */
+    const int64_t threads = nthreads > 0 ? nthreads : 1;
+    pool_run(linear_blocks, &job, nblocks, (nblocks + threads - 1) / threads, nthreads);
 }
 
 #include "native_f32_attn.h"
