@@ -57,6 +57,11 @@ class _Call:
     loop: asyncio.AbstractEventLoop | None
 
 
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -140,6 +145,18 @@ class AsyncEngine:
             loop, q = entry
             loop.call_soon_threadsafe(q.put_nowait, item)
 
+    def _deliver_step(self, outs: list[RequestOutput]) -> None:
+        """A step's outputs, one wake-up of each event loop for all of them: a wake-up (a write
+        to the loop's self-pipe) cost ~30 us on the engine thread (AMD EPYC VM, 8 streams), once
+        per stream and step before. Each stream's outputs keep their order."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outs:
+            entry = self._streams.get(out.request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _handle(self, cmd) -> None:
         if isinstance(cmd, _Add):
             try:
@@ -179,8 +196,7 @@ class AsyncEngine:
                 except queue.Empty:
                     pass
                 self.step_started = time.monotonic()
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
+                self._deliver_step(self.engine.step())
                 now = time.monotonic()
                 self.step_started = 0.0
                 if now - self.snapshot_at > PUBLISH_S:
