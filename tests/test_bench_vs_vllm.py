@@ -81,6 +81,23 @@ def test_table_gives_each_sides_share_of_the_machines_limit():
     assert rows[3].endswith(f"| 80% | 90% | {floor_ms:.3g} ms / {compute_ms:.3g} ms |")
 
 
+def test_a_decode_row_is_also_shared_against_the_bandwidth_read_beside_it():
+    """The VM's memory switches between a slow and a fast mode within minutes: a decode row's
+    share is given against the bandwidth read beside its own batch, then against the run's best."""
+    shape = Shape.from_config(BENCH)
+    limits = Limits(gemm_gflops=100.0, read_gbs=60.0, dtype="float32")
+    step = shape.decode_bytes(4096, 1, "float32")
+    ours = {"ttft 2048": 1.0, "tpot 4096 x1": step / 30e9}  # 30 GB/s of useful bytes
+    vllm = {"ttft 2048": 1.0, "tpot 4096 x1": step / 15e9}
+    beside = {"duplexkv": {"tpot 4096 x1": 33.0}, "vllm": {"tpot 4096 x1": 60.0}}
+    rows = vs_vllm.table(vllm, ours, limits, shape, beside).splitlines()
+    assert "of the limit (decode: of the bandwidth beside the row / of the run's)" in rows[0]
+    assert "| — |" in rows[2]  # TTFT rows: no floor, one share each
+    assert rows[3].endswith(f"| 25% / 25% | 91% / 50% | {step / 60e6:.3g} ms / "
+                            f"{shape.decode_flops(4096, 1) / 100e9 * 1e3:.3g} ms |")
+    assert limits.with_read_gbs(33.0) == Limits(100.0, 33.0, "float32")
+
+
 def test_two_readings_of_the_limits_keep_the_higher_of_each():
     """A run reads the machine before its servers start and after they stop; a slow minute at
     either end must not lower the floor the shares are taken against."""
@@ -95,6 +112,8 @@ def test_two_readings_of_the_limits_keep_the_higher_of_each():
 def test_the_machines_limits_are_measured():
     assert machine_limits.gemm_gflops("float32", n=256, reps=2) > 0.1
     assert machine_limits.read_gbs(nbytes=16 << 20, reps=2) > 0.1
+    again = machine_limits.Bandwidth(nbytes=16 << 20)  # one buffer, read as often as asked
+    assert again.read(2) > 0.1 and again.read(1) > 0.1
 
 
 def test_settle_waits_while_another_process_spins_and_not_when_idle():
