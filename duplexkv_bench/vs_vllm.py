@@ -229,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{cpu_line()}\ndtype {args.dtype}; model {model_dir}; vLLM {version} "
           f"({args.venv}); logs in {logs}", flush=True)
-    start_limits = measure_limits(args.dtype)  # before any server: the machine alone
+    bandwidth = Bandwidth()  # one buffer, read at both ends and after every decode batch
+    start_limits = measure_limits(args.dtype, bandwidth)  # before any server: the machine alone
     print(start_limits.describe(), flush=True)
-    bandwidth = Bandwidth()  # read again beside every decode batch
     results: dict[str, dict[str, float]] = {"vllm": {}, "duplexkv": {}}
     beside: dict[str, dict[str, float]] = {"vllm": {}, "duplexkv": {}}
     loads = []
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for _, stop in up.values():
             stop()
-    end_limits = measure_limits(args.dtype)  # the servers stopped: the machine alone again
+    end_limits = measure_limits(args.dtype, bandwidth)  # the servers stopped: alone again
     limits = start_limits.best(end_limits)
     print(f"at the end, {end_limits.describe()}; the shares below are of the higher readings",
           flush=True)

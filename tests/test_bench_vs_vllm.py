@@ -114,6 +114,7 @@ def test_the_machines_limits_are_measured():
     assert machine_limits.read_gbs(nbytes=16 << 20, reps=2) > 0.1
     again = machine_limits.Bandwidth(nbytes=16 << 20)  # one buffer, read as often as asked
     assert again.read(2) > 0.1 and again.read(1) > 0.1
+    assert machine_limits.measure("float32", again).read_gbs > 0.1  # from that buffer
 
 
 def test_settle_waits_while_another_process_spins_and_not_when_idle():
