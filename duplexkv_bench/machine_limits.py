@@ -157,10 +157,6 @@ class Bandwidth:
         return self.nbytes / best / 1e9
 
 
-def read_gbs(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    return Bandwidth(nbytes).read(reps)
-
-
 def measure(dtype: str, bandwidth: Bandwidth | None = None) -> Limits:
     """Both limits; the bandwidth from `bandwidth`'s buffer when given (no second 1 GiB)."""
     return Limits(gemm_gflops(dtype), (bandwidth or Bandwidth()).read(), dtype)

@@ -111,7 +111,6 @@ def test_two_readings_of_the_limits_keep_the_higher_of_each():
 
 def test_the_machines_limits_are_measured():
     assert machine_limits.gemm_gflops("float32", n=256, reps=2) > 0.1
-    assert machine_limits.read_gbs(nbytes=16 << 20, reps=2) > 0.1
     again = machine_limits.Bandwidth(nbytes=16 << 20)  # one buffer, read as often as asked
     assert again.read(2) > 0.1 and again.read(1) > 0.1
     assert machine_limits.measure("float32", again).read_gbs > 0.1  # from that buffer
