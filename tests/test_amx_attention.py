@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from duplexkv.layers import amx, attention
-from test_amx_linear import needs_amx
+from test_packed_linear import needs_amx
 
 pytestmark = needs_amx
 

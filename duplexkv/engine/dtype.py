@@ -8,19 +8,21 @@ elsewhere. Measured, per kind of CPU:
   (`bench vs_vllm`, docs/results/vs-vllm.md) 0.33 vs 0.58 s. bf16 decode has its own AMX kernels
   there (docs/engine.md: a 4k-context, batch-1 step 9.15 -> 4.39 ms, faster than float32's ~9 ms).
 - AVX-512 with `avx512_bf16` but no AMX (Cooper Lake, Zen 4): float32. Its bfloat16 is native dot
-  products only, and the engine has no bfloat16 decode kernels for it (the few-row products and
-  decode attention run PyTorch's bf16 ops), so decode, most of a serving worker's time, is 1.6-1.9x
-  slower in bfloat16:
+  products only; every bf16 product runs the engine's AVX-512 BF16 linear there (native_vdp.h,
+  since session 51), but decode attention and a step's layer loop still run PyTorch's bf16 ops and
+  Python (float32 runs a step as one native call), so decode, most of a serving worker's time,
+  stays slower in bfloat16:
   - Intel Xeon with avx512_bf16 and avx512_fp16, no AMX, 2 cores (issue 31's table): a 2048^3
     torch matmul ran 90 GFLOP/s in bfloat16 vs 195 in float32; the engine's bfloat16 was 1.15x
     (2k prefill) to 1.9x (decode) slower than its float32.
   - AMD EPYC Zen 4, 2 cores: the matmul runs 405-420 GFLOP/s in bfloat16 vs 165-182 in float32
     (oneDNN's avx512_bf16 path), yet the engine's bfloat16 (`duplexkv bench engine_ab --old . --new .
     --dtype float32 bfloat16 --reps 3`, best bf16/f32) was 0.73x at a 2k prefill, 1.00x at 8k
-    (attention), and 1.59-1.64x slower per decode step (4k x 1, 4k x 8, 8k x 8).
-  Native avx512_bf16 decode kernels (and a row-invariant bf16 linear: oneDNN's is not, so reuse
-  could change bf16 answers on the bench model there) would turn Zen 4 to bfloat16; until then,
-  float32.
+    (attention), and 1.59-1.64x slower per decode step (4k x 1, 4k x 8, 8k x 8). With the AVX-512
+    BF16 linear a bf16 step at 4k x 1 went 16.9 -> 9.2 ms, 4k x 8 44.2 -> 35.4 ms (docs/engine.md),
+    against float32's ~5.6 and ~18 ms: still 1.6-2x slower.
+  A native bf16 decode attention that rounds as the prefill's does, and the step as one native
+  call, would be what turns Zen 4 to bfloat16; until then, float32.
 - No native bfloat16 (AVX2, Ice Lake): float32. Every bfloat16 matmul is converted in software,
   ~3x slower (Ice Lake, 2k prefill: 2.29 s in bfloat16 vs 0.81 s in float32).
 - Arm with the `bf16` feature (BFMMLA, Graviton 3): bfloat16 (not measured here).

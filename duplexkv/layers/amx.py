@@ -1,8 +1,13 @@
-"""Python side of native_amx.h: the bf16 linear on AMX tiles (one kernel for every row count).
+"""Python side of native_amx.h and native_vdp.h: the bf16 linear over a weight packed once (one
+kernel for every row count), on AMX tiles or, where there is no AMX, by AVX-512 BF16 dot products;
+and the AMX attention.
 
 Built with the other native kernels (native.py); `available()` says whether this CPU has AMX and
-Linux lent the process its tile state. Weights are packed once (`pack`), then every product of
-any number of rows runs `linear` on the kernels' own threads.
+Linux lent the process its tile state, `vdp_available()` whether the AVX-512 BF16 kernel was built
+(the CPU has avx512_bf16). Weights are packed once (`pack`, one layout for both), then every
+product of any number of rows runs `linear` on the kernels' own threads, on the AMX kernel where
+it runs, else the AVX-512 BF16 one: a CPU runs one of the two for every product, so a row rounds
+the same in a prefill chunk and in a decode step.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from duplexkv.layers import causal_kernel, native
 
 K_MULTIPLE = 32  # native_amx.h: K a multiple of this
 _amx: bool | None = None
+_kernels: tuple[str, ...] | None = None
 
 
 def available() -> bool:
@@ -24,11 +30,30 @@ def available() -> bool:
     return _amx
 
 
+def vdp_available() -> bool:
+    """Whether the AVX-512 BF16 linear (native_vdp.h) was built here (the CPU has avx512_bf16)."""
+    return native.available() and native.library().dkv_vdp_available() == 1
+
+
+def linear_kernels() -> tuple[str, ...]:
+    """The packed bf16 linear kernels that run here, the one `linear` picks first."""
+    global _kernels
+    if _kernels is None:
+        _kernels = tuple(name for name, runs in (("amx", available), ("vdp", vdp_available))
+                         if runs())
+    return _kernels
+
+
+def linear_available() -> bool:
+    """Whether `pack` / `linear` run here (on either kernel)."""
+    return bool(linear_kernels())
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] bf16 -> the AMX tiles' layout (native_amx.h), N padded to 32."""
     n, k = weight.shape
     if weight.dtype != torch.bfloat16 or not weight.is_contiguous() or k % K_MULTIPLE:
-        raise ValueError(f"AMX pack: weight {weight.dtype} {tuple(weight.shape)}")
+        raise ValueError(f"bf16 pack: weight {weight.dtype} {tuple(weight.shape)}")
     out = torch.empty((n + 31) // 32 * 32 * k, dtype=torch.bfloat16)
     native.library().dkv_amx_pack(weight.data_ptr(), out.data_ptr(), n, k)
     return out
@@ -39,28 +64,34 @@ def pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
     gate and up rows interleaved by 16, for `linear(..., silu=True)`. I % 16 == 0."""
     n, k = weight.shape
     if n % 32:
-        raise ValueError(f"AMX pack_gate_up: weight {tuple(weight.shape)}, 2 I not a multiple of 32")
+        raise ValueError(f"bf16 pack_gate_up: weight {tuple(weight.shape)}, 2 I not a multiple of 32")
     gate, up = weight.view(2, n // 32, 16, k).unbind(0)
     return pack(torch.stack([gate, up], dim=1).reshape(n, k))
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-           silu: bool = False) -> torch.Tensor:
+           silu: bool = False, kernel: str | None = None) -> torch.Tensor:
     """x [M, K] bf16 . W^T (+ bias) -> [M, n] bf16, W packed by `pack`; the same bits for a
-    row whatever M (native_amx.h). With `silu` (W packed by `pack_gate_up`, n = 2 I, no bias):
-    bf16(bf16(silu(gate)) * up) [M, I], the bits of the bf16 SiLU kernel on the plain product."""
+    row whatever M (native_amx.h, native_vdp.h). With `silu` (W packed by `pack_gate_up`, n = 2 I,
+    no bias): bf16(bf16(silu(gate)) * up) [M, I], the bits of the bf16 SiLU kernel on the plain
+    product. `kernel`: "amx" or "vdp" (tests), else the first of `linear_kernels()`."""
     m, k = x.shape
+    kernels = linear_kernels()
+    kernel = kernel or (kernels[0] if kernels else None)
+    if kernel not in kernels:
+        raise ValueError(f"bf16 linear: kernel {kernel!r} does not run here (runs: {kernels})")
     if (x.dtype != torch.bfloat16 or not x.is_contiguous() or k % K_MULTIPLE
             or packed.numel() != (n + 31) // 32 * 32 * k
             or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)))
             or (silu and (n % 32 or bias is not None))):
-        raise ValueError(f"AMX linear: x {x.dtype} {tuple(x.shape)} for {n} columns")
+        raise ValueError(f"bf16 linear: x {x.dtype} {tuple(x.shape)} for {n} columns")
     y = torch.empty(m, n // 2 if silu else n, dtype=torch.bfloat16)
     bias_ptr = None if bias is None else bias.data_ptr()
-    if m and native.library().dkv_amx_linear(x.data_ptr(), packed.data_ptr(), bias_ptr,
-                                             y.data_ptr(), m, n, k, int(silu),
-                                             torch.get_num_threads()) != 0:
-        raise MemoryError("AMX linear: no memory for a padding buffer")
+    lib = native.library()
+    run = lib.dkv_amx_linear if kernel == "amx" else lib.dkv_vdp_linear
+    if m and run(x.data_ptr(), packed.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, int(silu),
+                 torch.get_num_threads()) != 0:
+        raise MemoryError("bf16 linear: no memory for a padding buffer")
     return y
 
 

@@ -27,11 +27,12 @@ again); more rows (prefill chunks) take the oneDNN path above, or `F.linear`, wh
 GEMM needs no transpose. `DUPLEXKV_SMALL_GEMM=0` turns every path off (A/B measurements, or a
 BLAS where they do not pay).
 
-bf16 weights on a CPU with AMX (`amx.available()`) are packed once after loading
-(`Linear.pack`) and every product, whatever its row count, runs `amx.linear` on the
-kernels' own threads: one reduction order for a row whatever M, so a decode step's rows round as
-a prefill's rows do (reuse keeps answers, docs/engine.md), and no sleeping OpenMP team to wake
-per product. `DUPLEXKV_AMX_LINEAR=0` keeps the paths above.
+bf16 weights on a CPU with AMX or `avx512_bf16` (`amx.linear_available()`) are packed once
+after loading (`Linear.pack`) and every product, whatever its row count, runs `amx.linear` (the
+AMX kernel, else the AVX-512 BF16 one) on the kernels' own threads: one reduction order for a row
+whatever M, so a decode step's rows round as a prefill's rows do (reuse keeps answers,
+docs/engine.md), and no sleeping OpenMP team to wake per product. `DUPLEXKV_AMX_LINEAR=0` keeps
+the paths above.
 """
 
 from __future__ import annotations
@@ -91,14 +92,15 @@ class Linear(nn.Linear):
         pass
 
     def pack(self, keep_weight: bool = False, gate_up: bool = False) -> bool:
-        """Compute every product with the AMX kernel from now on, if it runs here and takes this
-        weight (bf16, in_features a multiple of 32). Unless `keep_weight` (a weight shared with
+        """Compute every product with the packed bf16 kernel (AMX or AVX-512 BF16, `amx.linear`)
+        from now on, if one runs here and takes this weight (bf16, in_features a multiple of
+        32). Unless `keep_weight` (a weight shared with
         another module, as a tied LM head's), the plain weight is released: the packed copy is the
         only one. With `gate_up` (a fused [gate; up] weight, no bias, out_features % 32 == 0) the
         module computes `silu_mul` instead of its product. Returns whether it packed."""
         w = self.weight
         if (not AMX_LINEAR or self.packed is not None or w.dtype != torch.bfloat16
-                or self.in_features % amx.K_MULTIPLE or not amx.available()
+                or self.in_features % amx.K_MULTIPLE or not amx.linear_available()
                 or (gate_up and (self.bias is not None or self.out_features % 32))):
             return False
         w = w.detach().contiguous()

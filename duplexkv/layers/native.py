@@ -49,7 +49,7 @@ SOURCE = Path(__file__).with_name("native_kernels.c")
 # what the build reads (the digest's): the .c file and the headers it includes
 SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in ("native_pool.h", "native_simd.h",
                                                     "native_amx.h", "native_amx_attn.h",
-                                                    "native_bf16.h", "native_f32_attn.h",
+                                                    "native_vdp.h", "native_bf16.h", "native_f32_attn.h",
                                                     "native_f32_prefill.h", "native_causal.h",
                                                     "native_f32_decode.h")))
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
@@ -61,7 +61,27 @@ MAX_HEAD_DIM = 512  # native_kernels.c MAX_D
 MAX_BF16_WIDTH = 32768  # native_bf16.h BF_MAX_N
 ENABLED = os.environ.get("DUPLEXKV_NATIVE", "1") != "0"
 
-_i64, _f32p = ctypes.c_int64, ctypes.c_void_p
+_i64, _f32p, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_PACKED_LINEAR = [_f32p, _f32p, _f32p, _f32p, _i64, _i64, _i64, _int, _int]
+_CAUSAL = [_f32p, _f32p, _i64, *[_f32p] * 9, _i64, _i64, _i64, _f32, _int]
+_NORM = [_f32p, _f32p, _f32p, _f32p, _i64, _i64, _f32, _int]
+_ROPE = [_f32p, _i64, _f32p, _f32p, _f32p, _f32p, _f32p, _i64, _i64, _i64, _i64, _f32, _int]
+_SILU = [_f32p, _f32p, _i64, _i64, _int]
+_SIGNATURES = {  # the kernels' C functions: (restype, argtypes)
+    "dkv_linear": (None, [_f32p, _f32p, _f32p, _i64, _i64, _i64, _int]),
+    "dkv_decode_attn": (_int, [*[_f32p] * 7, _i64, _i64, _i64, _i64, _f32, _int]),
+    "dkv_add_rmsnorm": (None, _NORM), "dkv_bf16_add_rmsnorm": (None, _NORM),
+    "dkv_qk_norm_rope": (None, _ROPE), "dkv_bf16_qk_norm_rope": (None, _ROPE),
+    "dkv_silu_mul": (None, _SILU), "dkv_bf16_silu_mul": (None, _SILU),
+    "dkv_amx_init": (_int, []), "dkv_amx_pack": (None, [_f32p, _f32p, _i64, _i64]),
+    "dkv_amx_linear": (_int, _PACKED_LINEAR), "dkv_vdp_linear": (_int, _PACKED_LINEAR),
+    "dkv_vdp_available": (_int, []),
+    "dkv_kv_append": (None, [_f32p, _i64, _i64, _f32p, _i64, _i64, _i64, *[_f32p] * 7, _i64,
+                             _i64, _i64]),
+    "dkv_amx_attention": (_int, _CAUSAL), "dkv_f32_attention": (_int, _CAUSAL),
+    "dkv_f32_attention_ok": (_int, []),
+    "dkv_f32_decode_stack": (_int, [_f32p] * 5 + [_int]),
+}
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -103,46 +123,9 @@ def _load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     if lib.dkv_abi() != ABI:
         raise OSError(f"{target}: ABI {lib.dkv_abi()}, expected {ABI}")
-    lib.dkv_linear.argtypes = [_f32p, _f32p, _f32p, _i64, _i64, _i64, ctypes.c_int]
-    lib.dkv_linear.restype = None
-    lib.dkv_decode_attn.argtypes = [_f32p, _f32p, _f32p, _f32p, _f32p, _f32p, _f32p, _i64, _i64,
-                                    _i64, _i64, ctypes.c_float, ctypes.c_int]
-    lib.dkv_decode_attn.restype = ctypes.c_int
-    lib.dkv_add_rmsnorm.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64, _i64, ctypes.c_float,
-                                    ctypes.c_int]
-    lib.dkv_add_rmsnorm.restype = None
-    lib.dkv_qk_norm_rope.argtypes = [_f32p, _i64, _f32p, _f32p, _f32p, _f32p, _f32p, _i64, _i64,
-                                     _i64, _i64, ctypes.c_float, ctypes.c_int]
-    lib.dkv_qk_norm_rope.restype = None
-    lib.dkv_silu_mul.argtypes = [_f32p, _f32p, _i64, _i64, ctypes.c_int]
-    lib.dkv_silu_mul.restype = None
-    lib.dkv_bf16_add_rmsnorm.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64, _i64, ctypes.c_float,
-                                         ctypes.c_int]
-    lib.dkv_bf16_add_rmsnorm.restype = None
-    lib.dkv_bf16_qk_norm_rope.argtypes = [_f32p, _i64, _f32p, _f32p, _f32p, _f32p, _f32p, _i64,
-                                          _i64, _i64, _i64, ctypes.c_float, ctypes.c_int]
-    lib.dkv_bf16_qk_norm_rope.restype = None
-    lib.dkv_bf16_silu_mul.argtypes = [_f32p, _f32p, _i64, _i64, ctypes.c_int]
-    lib.dkv_bf16_silu_mul.restype = None
-    lib.dkv_amx_init.argtypes = []
-    lib.dkv_amx_init.restype = ctypes.c_int
-    lib.dkv_amx_pack.argtypes = [_f32p, _f32p, _i64, _i64]
-    lib.dkv_amx_pack.restype = None
-    lib.dkv_amx_linear.argtypes = [_f32p, _f32p, _f32p, _f32p, _i64, _i64, _i64, ctypes.c_int,
-                                   ctypes.c_int]
-    lib.dkv_amx_linear.restype = ctypes.c_int
-    lib.dkv_kv_append.argtypes = [_f32p, _i64, _i64, _f32p, _i64, _i64, _i64, *[_f32p] * 7,
-                                  _i64, _i64, _i64]
-    lib.dkv_kv_append.restype = None
-    lib.dkv_amx_attention.argtypes = [_f32p, _f32p, _i64, *[_f32p] * 9, _i64, _i64, _i64,
-                                      ctypes.c_float, ctypes.c_int]
-    lib.dkv_amx_attention.restype = ctypes.c_int
-    lib.dkv_f32_attention_ok.argtypes = []
-    lib.dkv_f32_attention_ok.restype = ctypes.c_int
-    lib.dkv_f32_attention.argtypes = lib.dkv_amx_attention.argtypes
-    lib.dkv_f32_attention.restype = ctypes.c_int
-    lib.dkv_f32_decode_stack.argtypes = [_f32p] * 5 + [ctypes.c_int]
-    lib.dkv_f32_decode_stack.restype = ctypes.c_int
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
     return lib
 
 

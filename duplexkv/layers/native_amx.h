@@ -19,18 +19,7 @@
  * inner, so a range's packed weight (K x 256 x 2 bytes) stays in L2 while the rows stream through,
  * and a task's rows (32 x K) stay in L1 across its column pairs.
  */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-
-#define AMX_NR 8 /* column pairs (32 columns each) per task */
-
-int dkv_amx_init(void) { /* Linux only lends the tile state to a process that asks */
-    static int ready = -1;
-    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                   18 /* XFEATURE_XTILEDATA */) == 0;
-    return ready;
-}
-
+/* the packed layout, also read by native_vdp.h (plain C: built on every CPU) */
 void dkv_amx_pack(const uint16_t *w, uint16_t *out, int64_t N, int64_t K) {
     const int64_t nblocks = (N + 31) / 32 * 2, kblocks = K / 32;
     for (int64_t nb = 0; nb < nblocks; nb++)
@@ -43,6 +32,18 @@ void dkv_amx_pack(const uint16_t *w, uint16_t *out, int64_t N, int64_t K) {
                         o[r * 32 + n * 2 + j] = col < N ? w[col * K + kb * 32 + 2 * r + j] : 0;
                 }
         }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#define AMX_NR 8 /* column pairs (32 columns each) per task */
+
+int dkv_amx_init(void) { /* Linux only lends the tile state to a process that asks */
+    static int ready = -1;
+    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                   18 /* XFEATURE_XTILEDATA */) == 0;
+    return ready;
 }
 
 struct amx_cfg {
@@ -160,9 +161,6 @@ int dkv_amx_linear(const uint16_t *x, const uint16_t *wp, const float *bias, uin
 }
 #else
 int dkv_amx_init(void) { return 0; }
-void dkv_amx_pack(const uint16_t *w, uint16_t *out, int64_t N, int64_t K) {
-    (void)w, (void)out, (void)N, (void)K;
-}
 int dkv_amx_linear(const uint16_t *x, const uint16_t *wp, const float *bias, uint16_t *y,
                    int64_t M, int64_t N, int64_t K, int silu, int nthreads) {
     (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)silu, (void)nthreads;

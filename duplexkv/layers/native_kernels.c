@@ -27,6 +27,7 @@
 #include "native_pool.h"
 #include "native_simd.h"
 #include "native_amx.h"
+#include "native_vdp.h"
 #include "native_causal.h"
 #include "native_amx_attn.h"
 

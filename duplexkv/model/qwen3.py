@@ -19,7 +19,7 @@ from duplexkv.layers.decode_stack import DecodeStack, Dims, LayerTensors
 from duplexkv.layers.linear import Linear
 from duplexkv.model.config import ModelConfig
 
-# on the AMX kernel, SiLU x up in the gate/up product's epilogue; DUPLEXKV_FUSED_SILU=0: apart (A/B)
+# on the packed bf16 kernel, SiLU x up in the gate/up product's epilogue; DUPLEXKV_FUSED_SILU=0: apart (A/B)
 FUSED_SILU = os.environ.get("DUPLEXKV_FUSED_SILU", "1") != "0"
 
 
@@ -157,7 +157,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        if self.gate_up_proj.gate_up:  # packed for the AMX kernel: SiLU fused into the product
+        if self.gate_up_proj.gate_up:  # packed bf16 kernel: SiLU fused into the product
             return self.down_proj(self.gate_up_proj.silu_mul(x))
         rows = MLP_CHUNK_BYTES // (2 * self.inter * x.element_size())
         if x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] > 2 * rows:
@@ -254,7 +254,7 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def pack_linears(self) -> int:
-        """Pack every projection for the AMX kernel where it runs (`Linear.pack`; call after
+        """Pack every projection for the packed bf16 kernel where one runs (`Linear.pack`; call after
         loading the weights): each MLP's gate/up with SiLU x up fused in (`FUSED_SILU`). A tied
         LM head keeps the embedding's weight. Returns how many."""
         fused = sum(m.gate_up_proj.pack(gate_up=FUSED_SILU)

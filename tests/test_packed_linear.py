@@ -1,8 +1,10 @@
-"""The AMX bf16 linear (native_amx.h): exact sums rounded once, and a row's bits independent of
-how many rows share the product, where they sit, and how many threads run it.
+"""The packed bf16 linear (native_amx.h on AMX, native_vdp.h by AVX-512 BF16 dot products
+elsewhere): exact sums rounded once, and a row's bits independent of how many rows share the
+product, where they sit, and how many threads run it.
 
-Runs where the CPU has AMX (amx_tile, amx_bf16); elsewhere every test but the last skips and the
-engine keeps its oneDNN/BLAS paths (tests/test_linear.py)."""
+Each kernel test runs for every kernel this CPU runs (both on AMX, `vdp` with avx512_bf16 only);
+where neither runs every test but one skips and the engine keeps its oneDNN/BLAS paths
+(tests/test_linear.py)."""
 
 from __future__ import annotations
 
@@ -16,18 +18,27 @@ from duplexkv.layers import amx, native
 from duplexkv.layers.linear import Linear
 
 
-def _cpu_has_amx() -> bool:
-    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("flags")), "").split()
-    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+def _cpu_flags() -> set[str]:
+    return set(next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                     if ln.startswith("flags")), "").split())
 
 
-needs_amx = pytest.mark.skipif(not _cpu_has_amx(), reason="this CPU has no AMX bf16")
+def _cpu_kernels() -> list[str]:
+    """The kernels this CPU's flags promise (what the build must then provide)."""
+    flags = _cpu_flags()
+    return [name for name, needs in (("amx", {"amx_tile", "amx_bf16", "avx512_bf16"}),
+                                     ("vdp", {"avx512_bf16"})) if needs <= flags]
 
 
-@needs_amx
-def test_the_amx_kernel_runs_where_the_cpu_has_it():
-    assert amx.available(), "AMX kernel not built or tile state refused (see the log)"
+KERNELS = _cpu_kernels()
+needs_kernel = pytest.mark.skipif(not KERNELS, reason="this CPU has neither AMX nor avx512_bf16")
+needs_amx = pytest.mark.skipif("amx" not in KERNELS, reason="this CPU has no AMX bf16")
+each_kernel = pytest.mark.parametrize("kernel", KERNELS or ["none"])
+
+
+@needs_kernel
+def test_the_kernels_run_where_the_cpu_has_them():
+    assert list(amx.linear_kernels()) == KERNELS, "kernel not built or AMX tile state refused"
 
 
 def _case(m, n, k, seed, bias=False):
@@ -38,12 +49,13 @@ def _case(m, n, k, seed, bias=False):
     return x, w, b
 
 
-@needs_amx
+@needs_kernel
+@each_kernel
 @pytest.mark.parametrize("n,k", [(768, 512), (40, 32), (4096, 64), (64, 192), (100, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_each_output_is_the_exact_sum_rounded_once(n, k, bias):
+def test_each_output_is_the_exact_sum_rounded_once(kernel, n, k, bias):
     x, w, b = _case(37, n, k, n + k, bias)
-    y = amx.linear(x, amx.pack(w), n, b)
+    y = amx.linear(x, amx.pack(w), n, b, kernel=kernel)
     exact = x.double() @ w.double().T + (0 if b is None else b.double())
     # float32 accumulation of bf16 products, one bf16 rounding: within 1 bf16 ulp of the exact
     tol = exact.abs() * 2 ** -7 + 1e-6 * k
@@ -51,26 +63,28 @@ def test_each_output_is_the_exact_sum_rounded_once(n, k, bias):
     assert bool(((y.double() - exact).abs() <= tol).all())
 
 
-@needs_amx
+@needs_kernel
+@each_kernel
 @pytest.mark.parametrize("n,k", [(768, 512), (3072, 512), (512, 1536), (4096, 4096), (72, 64)])
-def test_a_rows_bits_do_not_depend_on_the_batch_its_place_or_the_threads(n, k):
+def test_a_rows_bits_do_not_depend_on_the_batch_its_place_or_the_threads(kernel, n, k):
     # oneDNN's own bf16 linear differs here for K = 4096 at M <= 128 (it splits K for few rows)
     x, w, _ = _case(2100, n, k, 7)
     packed = amx.pack(w)
-    whole = amx.linear(x, packed, n)
-    for m in (1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 129, 511, 1024):
-        assert torch.equal(amx.linear(x[:m].contiguous(), packed, n), whole[:m]), m
-        assert torch.equal(amx.linear(x[-m:].contiguous(), packed, n), whole[-m:]), m
+    whole = amx.linear(x, packed, n, kernel=kernel)
+    for m in (1, 2, 3, 5, 6, 7, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 129, 511, 1024):
+        assert torch.equal(amx.linear(x[:m].contiguous(), packed, n, kernel=kernel), whole[:m]), m
+        assert torch.equal(amx.linear(x[-m:].contiguous(), packed, n, kernel=kernel),
+                           whole[-m:]), m
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = amx.linear(x, packed, n)
+        alone = amx.linear(x, packed, n, kernel=kernel)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(alone, whole)
 
 
-@needs_amx
+@needs_kernel
 def test_a_packed_linear_module_matches_f_linear_and_releases_its_weight():
     x, w, b = _case(9, 200, 128, 3, bias=True)
     layer = Linear(128, 200, bias=True).bfloat16()
@@ -89,7 +103,7 @@ def test_what_the_kernel_cannot_take_stays_on_the_other_paths():
     layer = Linear(48, 16, bias=False).bfloat16()  # in_features not a multiple of 32
     assert not layer.pack()
     assert not Linear(64, 16, bias=False).pack()  # float32 weights
-    if amx.available():
+    if amx.linear_available():
         packed = amx.pack(torch.zeros(16, 64, dtype=torch.bfloat16))
         with pytest.raises(ValueError):
             amx.linear(torch.zeros(2, 64), packed, 16)  # float32 rows
@@ -97,12 +111,13 @@ def test_what_the_kernel_cannot_take_stays_on_the_other_paths():
             amx.linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 40)
 
 
-@needs_amx
+@needs_kernel
 def test_bench_model_bf16_reuse_gives_whole_prompt_tokens_and_kv(tmp_path_factory):
     """The bench model's projections (K = 512 and 1,536) were not row-invariant through oneDNN
     (another blocking above ~64 rows), so a reused history rounded differently from a whole
-    prefill: 7 of 32 turns gave other tokens (4 conversations x 4 turns x 2 chunkings). With every
-    product on the AMX kernel, multi-turn reuse (prefix cache, 4096- and 100-token chunks) gives
+    prefill: 7 of 32 turns gave other tokens (4 conversations x 4 turns x 2 chunkings) on an AMX
+    Xeon (on AMD Zen 4 oneDNN's bf16 rows happened to be invariant for these shapes). With every
+    product on the packed kernel (AMX, or AVX-512 BF16 where there is no AMX), multi-turn reuse (prefix cache, 4096- and 100-token chunks) gives
     the tokens and the KV of one whole prefill of each prompt."""
     import random
 
@@ -142,9 +157,10 @@ def test_bench_model_bf16_reuse_gives_whole_prompt_tokens_and_kv(tmp_path_factor
     assert not kv_differ, f"(conversation, chunk) whose KV differs: {kv_differ}"
 
 
-@needs_amx
+@needs_kernel
+@each_kernel
 @pytest.mark.parametrize("inter,k", [(1536, 512), (192, 64), (48, 32)])
-def test_fused_silu_gives_the_bits_of_the_product_then_the_silu_kernel(inter, k):
+def test_fused_silu_gives_the_bits_of_the_product_then_the_silu_kernel(kernel, inter, k):
     """The gate/up projection with SiLU x up in its epilogue never writes the [M, 2 I] product;
     its result must be exactly what the plain product followed by the bf16 SiLU kernel gives,
     for every row count (decode steps and prefill chunks)."""
@@ -152,15 +168,15 @@ def test_fused_silu_gives_the_bits_of_the_product_then_the_silu_kernel(inter, k)
     fused_w, plain_w = amx.pack_gate_up(w), amx.pack(w)
     for m in (1, 7, 37, 700):
         xm = x[:m].contiguous()
-        fused = amx.linear(xm, fused_w, 2 * inter, silu=True)
-        plain = native.silu_mul(amx.linear(xm, plain_w, 2 * inter))
+        fused = amx.linear(xm, fused_w, 2 * inter, silu=True, kernel=kernel)
+        plain = native.silu_mul(amx.linear(xm, plain_w, 2 * inter, kernel=kernel))
         assert fused.shape == (m, inter) and torch.equal(fused, plain), m
     gate, up = (x.double() @ w.double().T).split(inter, dim=1)
     ref = F.silu(gate) * up
     assert ((fused.double() - ref).abs() <= ref.abs() * 2 ** -6 + 0.05).all()
 
 
-@needs_amx
+@needs_kernel
 def test_a_gate_up_linear_packed_fused_computes_silu_mul_only():
     _, w, _ = _case(1, 96, 64, 5)
     lin = Linear(64, 96, bias=False).to(torch.bfloat16)
