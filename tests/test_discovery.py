@@ -11,6 +11,7 @@ neither the worker nor the router, the CLI's start-up errors, and the membership
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import shutil
@@ -38,8 +39,9 @@ from test_router import (
 from workers import DUPLEXKV, NO_KEYS, TEST_SECRET, skip_or_fail, start_worker, wait_for, worker_env
 
 from duplexkv.discovery import record
-from duplexkv.discovery.record import Capacity, Registration, encode
-from duplexkv.discovery.watcher import Snapshot
+from duplexkv.discovery.record import Capacity, DiscoveryURL, Registration, encode
+from duplexkv.discovery.registrar import Registrar
+from duplexkv.discovery.watcher import Snapshot, Watcher
 from duplexkv.launch import spawn, wait_ready
 from duplexkv.router.backends import BackendPool
 from duplexkv.router.membership import Membership
@@ -490,3 +492,49 @@ def test_membership_rules():
     apply(rejected={"duplexkv:workers:x": "unsigned"})
     apply(rejected={"duplexkv:workers:x": "unsigned"})
     assert m.rejections.labels("unsigned")._value.get() == 1
+
+
+def test_a_clean_stop_after_late_heartbeats_is_left_and_an_expired_key_lost(tmp):
+    """A busy worker's heartbeats come late (its event loop shares the cores with its engine).
+    The router used to class a record that vanished as "lost" once it had not seen its seq move
+    for two heartbeats, so a worker that stopped cleanly after late heartbeats showed as lost
+    (the join/leave test above waited for "left" in vain under CI's load). Now it reads the fact
+    from Redis: a deregistration deletes the key and its index entry in one transaction (left);
+    an expired key leaves its entry indexed (lost). Real redis-server, Registrar and Watcher."""
+    port = free_port()
+    redis_proc = start_redis(tmp, port)
+    url = DiscoveryURL.parse(url_of(port))
+    pool = BackendPool.from_urls([], [])
+    m = Membership(pool, RouterMetrics(), "redis://***@x/0", False, POLL)
+    urls = {"late": "http://10.0.0.7:8000", "dead": "http://10.0.0.8:8000"}
+
+    async def run() -> dict[str, str]:
+        watcher = Watcher(url, None, POLL, m.apply, m.failed)
+        late, dead = (Registrar(url, _reg(c * 32, url=urls[who], heartbeat=HEARTBEAT), None)
+                      for c, who in (("a", "late"), ("b", "dead")))
+        try:
+            assert await late.heartbeat() and await dead.heartbeat()
+            await watcher.poll_once()
+            names = {who: pool.by_url[("decode", u)].name for who, u in urls.items()}
+            await asyncio.sleep(2.5 * HEARTBEAT)  # neither heartbeats for 2.5 beats (TTL: 3)
+            await watcher.poll_once()
+            assert len(pool.decode) == 2  # late, not gone: their keys live
+            await late.stop()  # then one stops cleanly (deregisters)
+            await watcher.poll_once()
+            await asyncio.sleep(HEARTBEAT)  # the other's key expires
+            await watcher.poll_once()
+            return names
+        finally:
+            await watcher.stop()
+            await dead.redis.aclose()
+
+    try:
+        names = asyncio.run(run())
+    finally:
+        redis_proc.kill()
+        redis_proc.wait()
+    events = [(e["event"], e.get("worker")) for e in m.state()["changes"]]
+    assert sorted(events[:2]) == [("joined", "decode[0]"), ("joined", "decode[1]")]
+    assert events[2:] == [("left", names["late"]), ("lost", names["dead"])], events
+    assert not pool.decode
+

@@ -96,7 +96,9 @@ class Registrar:
         self.state = "retrying"
 
     async def stop(self) -> None:
-        """Stop the heartbeat and delete the key (best effort, one bounded call)."""
+        """Stop the heartbeat and delete the key and its index entry (best effort, one bounded
+        call): in one transaction, so a router never sees the key gone and the entry still
+        there, which is how it tells an expired key ("lost") from a deregistration ("left")."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -105,7 +107,7 @@ class Registrar:
             return
         self.state = "stopped"
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
+            async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.delete(self.redis_key)
                 pipe.zrem(INDEX_KEY, self.record.id)
                 await pipe.execute()

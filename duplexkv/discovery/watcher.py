@@ -2,9 +2,11 @@
 
     poll   the ids in the index (newest first, at most MAX_RECORDS), then MGET their keys in
            batches; each value is checked by `record.decode` (shape, key = id, signature and age
-           when the router has a secret); a key that is gone is a worker that left; index entries
-           whose expiry is INDEX_FORGET_S past are pruned
-    -> Snapshot(records by id, rejected keys with their reason), handed to `on_snapshot`
+           when the router has a secret); a key that is gone while its index entry stays expired
+           (a worker that deregisters removes both in one transaction, registrar.py); index
+           entries whose expiry is INDEX_FORGET_S past are pruned
+    -> Snapshot(records by id, rejected keys with their reason, expired ids), handed to
+       `on_snapshot`
     fail   Redis down or slow: `on_error(exc)`, nothing else changes (the router keeps the
            members it knows: a Redis outage removes no worker); the next poll tries again
 
@@ -41,6 +43,7 @@ class Snapshot:
     records: dict[str, Registration] = field(default_factory=dict)  # by worker id
     rejected: dict[str, str] = field(default_factory=dict)  # Redis key -> reason
     truncated: bool = False
+    expired: set[str] = field(default_factory=set)  # ids still indexed whose key expired
 
 
 class Watcher:
@@ -92,9 +95,10 @@ class Watcher:
         for i in range(0, len(keys), BATCH):
             batch = keys[i:i + BATCH]
             for raw_key, raw in zip(batch, await self.redis.mget(batch), strict=True):
-                if raw is None:  # deleted (the worker left) or expired; pruned later
-                    continue
                 k = raw_key.decode(errors="replace")
+                if raw is None:  # expired (a deregistered worker's index entry is gone too)
+                    snap.expired.add(k[len(self.prefix):])
+                    continue
                 try:
                     reg = decode(raw, k, self._key, now, self.prefix)
                 except RegistrationError as e:

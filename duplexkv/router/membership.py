@@ -6,8 +6,11 @@ Each snapshot of the registry (duplexkv/discovery/watcher.py) is compared with t
                         named by role and the next unused index ("decode[2]"; an index is never
                         reused, so the change log stays unambiguous); a URL the static lists (or
                         another member) already have is not added twice
-    record gone         leave, reason "left" (the worker deregistered) or "lost" (its key
-                        expired after missed heartbeats)
+    record gone         leave, reason "lost" if its key expired after missed heartbeats (its
+                        index entry is still there: `Snapshot.expired`), else "left" (the worker
+                        deregistered: key and index entry go in one transaction); a fact read
+                        from Redis, not a guess from how long the router last saw the seq move
+                        (a busy worker's late heartbeats made a clean stop look "lost")
     seq not moving      leave, reason "lost", once the record has not changed for STALE_HEARTBEATS
                         (2) of its heartbeats and the health checks (or a refused leg) have marked
                         it down; a worker that still answers stays until its key expires (3
@@ -110,10 +113,7 @@ class Membership:
                 self.stale[rid] = rec.seq
                 self._leave(rid, "lost")
         for rid in [r for r in self.members if r not in snap.records]:
-            m = self.members[rid]
-            quiet = now - m.seq_seen_at
-            self._leave(rid, "left" if quiet <= STALE_HEARTBEATS * m.record.heartbeat_s
-                        else "lost")
+            self._leave(rid, "lost" if rid in snap.expired else "left")
         for rid in [r for r in self.stale if r not in snap.records]:
             del self.stale[rid]
         self._rejections(snap.rejected)
