@@ -117,8 +117,9 @@ def test_bench_model_bf16_reuse_gives_whole_prompt_tokens_and_kv(tmp_path_factor
     (another blocking above ~64 rows), so a reused history rounded differently from a whole
     prefill: 7 of 32 turns gave other tokens (4 conversations x 4 turns x 2 chunkings) on an AMX
     Xeon (on AMD Zen 4 oneDNN's bf16 rows happened to be invariant for these shapes). With every
-    product on the packed kernel (AMX, or AVX-512 BF16 where there is no AMX), multi-turn reuse (prefix cache, 4096- and 100-token chunks) gives
-    the tokens and the KV of one whole prefill of each prompt."""
+    product on the packed kernel (AMX, or AVX-512 BF16 where there is no AMX), multi-turn reuse
+    (prefix cache, 4096- and 100-token chunks) gives the tokens and the KV of one whole prefill of
+    each prompt."""
     import random
 
     from duplexkv import LLM, SamplingParams

@@ -50,7 +50,8 @@ def linear_available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] bf16 -> the AMX tiles' layout (native_amx.h), N padded to 32."""
+    """weight [N, K] bf16 -> the AMX tiles' layout (native_amx.h; native_vdp.h reads it too), N
+    padded to 32."""
     n, k = weight.shape
     if weight.dtype != torch.bfloat16 or not weight.is_contiguous() or k % K_MULTIPLE:
         raise ValueError(f"bf16 pack: weight {weight.dtype} {tuple(weight.shape)}")
@@ -64,7 +65,8 @@ def pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
     gate and up rows interleaved by 16, for `linear(..., silu=True)`. I % 16 == 0."""
     n, k = weight.shape
     if n % 32:
-        raise ValueError(f"bf16 pack_gate_up: weight {tuple(weight.shape)}, 2 I not a multiple of 32")
+        raise ValueError(f"bf16 pack_gate_up: weight {tuple(weight.shape)}, 2 I not a multiple "
+                         "of 32")
     gate, up = weight.view(2, n // 32, 16, k).unbind(0)
     return pack(torch.stack([gate, up], dim=1).reshape(n, k))
 

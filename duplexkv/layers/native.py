@@ -47,11 +47,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
 # what the build reads (the digest's): the .c file and the headers it includes
-SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in ("native_pool.h", "native_simd.h",
-                                                    "native_amx.h", "native_amx_attn.h",
-                                                    "native_vdp.h", "native_bf16.h", "native_f32_attn.h",
-                                                    "native_f32_prefill.h", "native_causal.h",
-                                                    "native_f32_decode.h")))
+SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in (
+    "native_pool.h", "native_simd.h", "native_amx.h", "native_amx_attn.h", "native_vdp.h",
+    "native_bf16.h", "native_f32_attn.h", "native_f32_prefill.h", "native_causal.h",
+    "native_f32_decode.h")))
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
                  "-pthread"]
 LINK_FLAGS = ["-shared", "-pthread"]

@@ -19,7 +19,8 @@ from duplexkv.layers.decode_stack import DecodeStack, Dims, LayerTensors
 from duplexkv.layers.linear import Linear
 from duplexkv.model.config import ModelConfig
 
-# on the packed bf16 kernel, SiLU x up in the gate/up product's epilogue; DUPLEXKV_FUSED_SILU=0: apart (A/B)
+# on the packed bf16 kernel, SiLU x up in the gate/up product's epilogue;
+# DUPLEXKV_FUSED_SILU=0: apart (A/B)
 FUSED_SILU = os.environ.get("DUPLEXKV_FUSED_SILU", "1") != "0"
 
 
@@ -254,9 +255,9 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def pack_linears(self) -> int:
-        """Pack every projection for the packed bf16 kernel where one runs (`Linear.pack`; call after
-        loading the weights): each MLP's gate/up with SiLU x up fused in (`FUSED_SILU`). A tied
-        LM head keeps the embedding's weight. Returns how many."""
+        """Pack every projection for the packed bf16 kernel where one runs (`Linear.pack`; call
+        after loading the weights): each MLP's gate/up with SiLU x up fused in (`FUSED_SILU`). A
+        tied LM head keeps the embedding's weight. Returns how many."""
         fused = sum(m.gate_up_proj.pack(gate_up=FUSED_SILU)
                     for m in self.modules() if isinstance(m, MLP))
         return fused + sum(m.pack(keep_weight=m.weight is self.embed_tokens.weight)
