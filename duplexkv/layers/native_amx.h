@@ -102,26 +102,8 @@ static void amx_task(const struct amx_job *j, int64_t m0, int mt, int64_t p0, in
             _tile_stored(2, &c[16][0], 128);
             _tile_stored(3, &c[16][16], 128);
         }
-        if (j->silu) { /* columns 0..15 of the pair are gate, 16..31 up, of output 16p.. */
-            for (int64_t r = 0; r < rows; r++)
-                _mm256_storeu_si256((__m256i *)(j->y + (m0 + r) * (j->N / 2) + 16 * p),
-                                    v16_silu_mul(bf_round16(_mm512_load_ps(&c[r][0])),
-                                                 bf_round16(_mm512_load_ps(&c[r][16]))));
-            continue;
-        }
-        const int64_t n0 = p * 32, cols = j->N - n0 < 32 ? j->N - n0 : 32;
-        const __mmask32 keep = cols == 32 ? 0xffffffffu : (1u << cols) - 1;
-        __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
-        if (j->bias) {
-            b_lo = _mm512_maskz_loadu_ps((__mmask16)keep, j->bias + n0);
-            b_hi = _mm512_maskz_loadu_ps((__mmask16)(keep >> 16), j->bias + n0 + 16);
-        }
-        for (int64_t r = 0; r < rows; r++) {
-            const __m512 lo = _mm512_add_ps(_mm512_load_ps(&c[r][0]), b_lo);
-            const __m512 hi = _mm512_add_ps(_mm512_load_ps(&c[r][16]), b_hi);
-            const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
-            _mm512_mask_storeu_epi16(j->y + (m0 + r) * j->N + n0, keep, (__m512i)v);
-        }
+        /* with silu, columns 0..15 of the pair are gate, 16..31 up, of output 16p.. */
+        bf16_pair_store(j->y, m0, rows, j->N, p, j->bias, j->silu, &c[0][0], 32);
     }
 }
 

@@ -95,5 +95,33 @@ static inline __m256i v16_silu_mul(__m512 x, __m512 up) { /* -> 16 bf16 */
                                          V16_RNE);
     return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_round_ps(bf_round16(s), up, V16_RNE));
 }
+
+/* The packed bf16 linears' epilogue (native_amx.h, native_vdp.h): column pair q (32 columns) of
+ * rows m0 .. m0 + rows - 1, row r's float32 sums at c + r * ld. With `silu`: gate (columns
+ * 0..15) and up (16..31) -> v16_silu_mul at y[m0 + r, 16q ..] of a [M, N / 2] output; else +
+ * bias (float32, or NULL), one rounding to bf16, at y[m0 + r, 32q ..], nothing past column N. */
+static inline void bf16_pair_store(uint16_t *y, int64_t m0, int64_t rows, int64_t N, int64_t q,
+                                   const float *bias, int silu, const float *c, int64_t ld) {
+    if (silu) {
+        for (int64_t r = 0; r < rows; r++)
+            _mm256_storeu_si256((__m256i *)(y + (m0 + r) * (N / 2) + 16 * q),
+                                v16_silu_mul(bf_round16(_mm512_load_ps(c + r * ld)),
+                                             bf_round16(_mm512_load_ps(c + r * ld + 16))));
+        return;
+    }
+    const int64_t n0 = q * 32, cols = N - n0 < 32 ? N - n0 : 32;
+    const __mmask32 keep = cols == 32 ? 0xffffffffu : (1u << cols) - 1;
+    __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
+    if (bias) {
+        b_lo = _mm512_maskz_loadu_ps((__mmask16)keep, bias + n0);
+        b_hi = _mm512_maskz_loadu_ps((__mmask16)(keep >> 16), bias + n0 + 16);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 lo = _mm512_add_ps(_mm512_load_ps(c + r * ld), b_lo);
+        const __m512 hi = _mm512_add_ps(_mm512_load_ps(c + r * ld + 16), b_hi);
+        _mm512_mask_storeu_epi16(y + (m0 + r) * N + n0, keep,
+                                 (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
 #endif
 #endif

@@ -56,32 +56,12 @@ vdp_block(const struct vdp_job *j, int64_t m0, const int mr, int64_t c0, const i
         for (int i = 0; i < nr; i++) _mm512_store_ps(&c[m][16 * i], acc[m][i]);
 }
 
-/* the block's results rounded to bf16 into y: column pairs (32 columns) q0 .. q0 + nr / 2 - 1 */
+/* the block's results rounded to bf16 into y: column pairs (32 columns) c0 / 2 .. (c0 + nr) / 2 -
+ * 1 (with silu: blocks 2q, gate, and 2q + 1, up -> output columns 16q .. 16q + 15) */
 static void vdp_store(const struct vdp_job *j, int64_t m0, int mr, int64_t c0, int nr,
                       float c[VDP_MR][64]) {
-    for (int h = 0; h < nr / 2; h++) {
-        const int64_t q = c0 / 2 + h;
-        if (j->silu) { /* blocks 2q (gate) and 2q + 1 (up) -> output columns 16q .. 16q + 15 */
-            for (int m = 0; m < mr; m++)
-                _mm256_storeu_si256((__m256i *)(j->y + (m0 + m) * (j->N / 2) + 16 * q),
-                                    v16_silu_mul(bf_round16(_mm512_load_ps(&c[m][32 * h])),
-                                                 bf_round16(_mm512_load_ps(&c[m][32 * h + 16]))));
-            continue;
-        }
-        const int64_t n0 = q * 32, cols = j->N - n0 < 32 ? j->N - n0 : 32;
-        const __mmask32 keep = cols == 32 ? 0xffffffffu : (1u << cols) - 1;
-        __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
-        if (j->bias) {
-            b_lo = _mm512_maskz_loadu_ps((__mmask16)keep, j->bias + n0);
-            b_hi = _mm512_maskz_loadu_ps((__mmask16)(keep >> 16), j->bias + n0 + 16);
-        }
-        for (int m = 0; m < mr; m++) {
-            const __m512 lo = _mm512_add_ps(_mm512_load_ps(&c[m][32 * h]), b_lo);
-            const __m512 hi = _mm512_add_ps(_mm512_load_ps(&c[m][32 * h + 16]), b_hi);
-            _mm512_mask_storeu_epi16(j->y + (m0 + m) * j->N + n0, keep,
-                                     (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
-    }
+    for (int h = 0; h < nr / 2; h++)
+        bf16_pair_store(j->y, m0, mr, j->N, c0 / 2 + h, j->bias, j->silu, &c[0][32 * h], 64);
 }
 
 /* constant shapes, so the accumulators stay in registers */
