@@ -54,7 +54,7 @@ def test_reduced_precision_attention_rows_equal_across_chunkings(heads, kv_heads
                                                                   kernel, monkeypatch):
     """Both bf16 paths: the AMX kernel (native_amx_attn.h) where the CPU has it, PyTorch's flash
     kernel made invariant (`_blocked`) elsewhere."""
-    if kernel == "amx" and not attention.amx_runs(dtype, dim):
+    if kernel == "amx" and not attention.kernel_runs(dtype, dim):
         pytest.skip("the AMX kernel does not run this dtype on this CPU")
     monkeypatch.setattr(attention, "AMX_ATTENTION", kernel == "amx")
     kb = attention.KEY_BLOCK

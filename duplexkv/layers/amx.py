@@ -35,8 +35,9 @@ def vdp_available() -> bool:
     return native.available() and native.library().dkv_vdp_available() == 1
 
 
-def linear_kernels() -> tuple[str, ...]:
-    """The packed bf16 linear kernels that run here, the one `linear` picks first."""
+def kernels() -> tuple[str, ...]:
+    """The bf16 kernels (linear and attention) that run here: "amx", "vdp" (AVX-512 BF16), the
+    one `linear` and `attention` pick first."""
     global _kernels
     if _kernels is None:
         _kernels = tuple(name for name, runs in (("amx", available), ("vdp", vdp_available))
@@ -46,7 +47,15 @@ def linear_kernels() -> tuple[str, ...]:
 
 def linear_available() -> bool:
     """Whether `pack` / `linear` run here (on either kernel)."""
-    return bool(linear_kernels())
+    return bool(kernels())
+
+
+def _pick(kernel: str | None, what: str) -> str:
+    runs = kernels()
+    kernel = kernel or (runs[0] if runs else None)
+    if kernel not in runs:
+        raise ValueError(f"bf16 {what}: kernel {kernel!r} does not run here (runs: {runs})")
+    return kernel
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -76,12 +85,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     """x [M, K] bf16 . W^T (+ bias) -> [M, n] bf16, W packed by `pack`; the same bits for a
     row whatever M (native_amx.h, native_vdp.h). With `silu` (W packed by `pack_gate_up`, n = 2 I,
     no bias): bf16(bf16(silu(gate)) * up) [M, I], the bits of the bf16 SiLU kernel on the plain
-    product. `kernel`: "amx" or "vdp" (tests), else the first of `linear_kernels()`."""
+    product. `kernel`: "amx" or "vdp" (tests), else the first of `kernels()`."""
     m, k = x.shape
-    kernels = linear_kernels()
-    kernel = kernel or (kernels[0] if kernels else None)
-    if kernel not in kernels:
-        raise ValueError(f"bf16 linear: kernel {kernel!r} does not run here (runs: {kernels})")
+    kernel = _pick(kernel, "linear")
     if (x.dtype != torch.bfloat16 or not x.is_contiguous() or k % K_MULTIPLE
             or packed.numel() != (n + 31) // 32 * 32 * k
             or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)))
@@ -97,14 +103,18 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     return y
 
 
-MAX_HEAD_DIM = 256  # native_amx_attn.h AT_MAX_D (and head_dim % 32 == 0)
+MAX_HEAD_DIM = 256  # native_bf16_attn.h AT_MAX_D (and head_dim % 32 == 0)
 
 
-def attention(q: torch.Tensor, seqs: list[causal_kernel.Seq], scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, seqs: list[causal_kernel.Seq], scale: float,
+              kernel: str | None = None) -> torch.Tensor:
     """Causal attention of q [T, H, D] bf16 (the step's tokens) -> [T, H, D] bf16, every
-    sequence in one call (native_amx_attn.h; seqs as causal_kernel.py describes them). A row's
-    bits depend on its own query, keys and values only, whatever the split of its keys into
-    steps or the other rows of the call."""
+    sequence in one call (native_amx_attn.h on AMX, native_vdp_attn.h by AVX-512 BF16 dot
+    products; seqs as causal_kernel.py describes them). A row's bits depend on its own query,
+    keys and values only, whatever the split of its keys into steps or the other rows of the
+    call. `kernel`: as `linear`'s."""
     if q.dtype != torch.bfloat16:
-        raise ValueError(f"AMX attention: q {q.dtype} {tuple(q.shape)}, {len(seqs)} sequences")
-    return causal_kernel.run(native.library().dkv_amx_attention, "AMX attention", q, seqs, scale)
+        raise ValueError(f"bf16 attention: q {q.dtype} {tuple(q.shape)}, {len(seqs)} sequences")
+    lib = native.library()
+    run = lib.dkv_amx_attention if _pick(kernel, "attention") == "amx" else lib.dkv_vdp_attention
+    return causal_kernel.run(run, "bf16 attention", q, seqs, scale)

@@ -20,9 +20,10 @@ flash kernel with log-sum-exp). float32 prefill chunks on a CPU with AVX-512 run
 a step in one call of native_f32_prefill.h instead (`causal_kernel.f32_attention`: no expanded KV
 heads, no merge; bench model, 8k tokens: ~0.8x SDPA's time), float32 decode rows
 native_f32_attn.h; DUPLEXKV_F32_ATTENTION=0 keeps SDPA for prefill (A/B).
-bf16/fp16 take a chunking-invariant path instead: on a CPU with AMX, bf16 runs every sequence of
-a step in one call of our own kernel (native_amx_attn.h, `_amx_step`), invariant by construction;
-elsewhere `_blocked` below makes PyTorch's flash kernel invariant.
+bf16/fp16 take a chunking-invariant path instead: on a CPU with AMX or `avx512_bf16`, bf16 runs
+every sequence of a step in one call of our own kernel (native_amx_attn.h on AMX, else
+native_vdp_attn.h by AVX-512 BF16 dot products; `_kernel_step`), invariant by construction;
+elsewhere (fp16, bf16 on AVX2) `_blocked` below makes PyTorch's flash kernel invariant.
 
 Grouped-query attention: where no mask is needed (the cached prefix, one-token decode) the
 query heads of a KV group are folded into the query-length axis, [1, KVH, G * n, D], so the
@@ -155,7 +156,8 @@ _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 SHAPE_STEP = 32  # lengths the reduced-precision kernel sees are multiples of this (see above)
 KEY_BLOCK = 512  # reduced precision: a query's keys go to the kernel in blocks of this, from 0
 MIN_ROWS = 4  # reduced precision: at least this many query rows per kernel call (see _blocked)
-# bf16 on AMX runs native_amx_attn.h; DUPLEXKV_AMX_ATTENTION=0 keeps `_blocked` (A/B, tests)
+# bf16 on AMX runs native_amx_attn.h, with avx512_bf16 alone native_vdp_attn.h;
+# DUPLEXKV_AMX_ATTENTION=0 keeps `_blocked` (A/B, tests)
 AMX_ATTENTION = os.environ.get("DUPLEXKV_AMX_ATTENTION", "1") != "0"
 # float32 prefill chunks run native_f32_prefill.h where built; DUPLEXKV_F32_ATTENTION=0: SDPA
 F32_ATTENTION = os.environ.get("DUPLEXKV_F32_ATTENTION", "1") != "0"
@@ -167,22 +169,25 @@ def shape_step(dtype: torch.dtype) -> int:
 
 
 def invariant(dtype: torch.dtype) -> bool:
-    """Whether attention in `dtype` takes a chunking-invariant path (`_amx_step` or `_blocked`)."""
+    """Whether attention in `dtype` takes a chunking-invariant path (`_kernel_step` or
+    `_blocked`)."""
     return shape_step(dtype) > 1
 
 
 def mirror_block(dtype: torch.dtype, head_dim: int) -> int:
     """The key block `_blocked` reads whole from a mirror (MirrorSet.prepare zeroes its tail),
-    or 0 where attention reads only the context (float32, and bf16 on AMX: `_amx_step`)."""
-    if not invariant(dtype) or amx_runs(dtype, head_dim):
+    or 0 where attention reads only the context (float32, and bf16 on our kernels:
+    `_kernel_step`)."""
+    if not invariant(dtype) or kernel_runs(dtype, head_dim):
         return 0
     return KEY_BLOCK
 
 
-def amx_runs(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether attention in `dtype` with this head size runs native_amx_attn.h (`_amx_step`)."""
+def kernel_runs(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention in `dtype` with this head size runs our bf16 kernel (`_kernel_step`:
+    native_amx_attn.h on AMX, native_vdp_attn.h with avx512_bf16 alone)."""
     return (AMX_ATTENTION and dtype == torch.bfloat16 and head_dim % 32 == 0
-            and head_dim <= amx.MAX_HEAD_DIM and amx.available())
+            and head_dim <= amx.MAX_HEAD_DIM and bool(amx.kernels()))
 
 
 def _pad_len(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
@@ -381,8 +386,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     ctx = get_context()
     write_kv(pool, layer, k, v, ctx)
     num_kv = k.shape[1]
-    if amx_runs(q.dtype, q.shape[-1]) and q.shape[1] % num_kv == 0:
-        return _amx_step(q, k, v, pool, layer, scale, ctx)
+    if kernel_runs(q.dtype, q.shape[-1]) and q.shape[1] % num_kv == 0:
+        return _kernel_step(q, k, v, pool, layer, scale, ctx)
     group = q.shape[1] // num_kv
     step = shape_step(q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype)  # contiguous: the native kernels write into it
@@ -458,9 +463,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: tor
     return out
 
 
-def _amx_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, layer: int,
+def _kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, layer: int,
               scale: float, ctx: AttnContext) -> torch.Tensor:
-    """Every sequence of the step in one call of native_amx_attn.h: each reads its keys from its
+    """Every sequence of the step in one call of our bf16 kernel: each reads its keys from its
     mirror (appended first), from this step's K/V (a fresh prefill without one), or from a copy
     gathered from the pool."""
     append_mirrors(pool, ctx, layer, k, v)

@@ -49,8 +49,8 @@ SOURCE = Path(__file__).with_name("native_kernels.c")
 # what the build reads (the digest's): the .c file and the headers it includes
 SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in (
     "native_pool.h", "native_simd.h", "native_amx.h", "native_amx_attn.h", "native_vdp.h",
-    "native_bf16.h", "native_f32_attn.h", "native_f32_prefill.h", "native_causal.h",
-    "native_f32_decode.h")))
+    "native_bf16_attn.h", "native_vdp_attn.h", "native_bf16.h", "native_f32_attn.h",
+    "native_f32_prefill.h", "native_causal.h", "native_f32_decode.h")))
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
                  "-pthread"]
 LINK_FLAGS = ["-shared", "-pthread"]
@@ -77,7 +77,8 @@ _SIGNATURES = {  # the kernels' C functions: (restype, argtypes)
     "dkv_vdp_available": (_int, []),
     "dkv_kv_append": (None, [_f32p, _i64, _i64, _f32p, _i64, _i64, _i64, *[_f32p] * 7, _i64,
                              _i64, _i64]),
-    "dkv_amx_attention": (_int, _CAUSAL), "dkv_f32_attention": (_int, _CAUSAL),
+    "dkv_amx_attention": (_int, _CAUSAL), "dkv_vdp_attention": (_int, _CAUSAL),
+    "dkv_f32_attention": (_int, _CAUSAL),
     "dkv_f32_attention_ok": (_int, []),
     "dkv_f32_decode_stack": (_int, [_f32p] * 5 + [_int]),
 }

@@ -29,7 +29,9 @@
 #include "native_amx.h"
 #include "native_vdp.h"
 #include "native_causal.h"
+#include "native_bf16_attn.h"
 #include "native_amx_attn.h"
+#include "native_vdp_attn.h"
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
