@@ -24,30 +24,48 @@ from workers import start_worker
 # /proc/cpuinfo excerpts (flags trimmed to the relevant ones plus neighbours)
 SAPPHIRE_RAPIDS = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C\nflags\t\t: fpu "
                    "sse4_2 avx2 avx512f avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8\n")
-COOPER_LAKE = "flags\t\t: fpu avx2 avx512f avx512_vnni avx512_bf16\n"
+COOPER_LAKE = ("vendor_id\t: GenuineIntel\nflags\t\t: fpu avx2 avx512f avx512_vnni "
+               "avx512_bf16\n")
+# issue 31's Intel Xeon without AMX (avx512_bf16 and avx512_fp16)
+XEON_NO_AMX = ("vendor_id\t: GenuineIntel\nflags\t\t: fpu avx2 avx512f avx512_vnni avx512_bf16 "
+               "avx512_fp16\n")
+ZEN4 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel name\t: AMD EPYC\n"
+        "flags\t\t: fpu sse4a avx2 fma avx512f avx512vl avx512_vnni avx512_bf16\n")
 ICE_LAKE = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8375C\nflags\t\t: fpu sse4_2 "
             "avx2 avx512f avx512dq avx512_vnni avx512_vbmi2 avx512_bitalg\n\n"
             "processor\t: 1\nflags\t\t: fpu sse4_2 avx2 avx512f avx512dq avx512_vnni\n")
-ZEN3 = "flags\t\t: fpu sse4_2 avx2 fma\n"
+ZEN3 = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse4_2 sse4a avx2 fma\n"
 GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes sha3 sve i8mm bf16 svebf16\n"
 GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes sha1 sha2 crc32 atomics fphp\n"
 
 
 @pytest.mark.parametrize("cpuinfo,want", [
-    (SAPPHIRE_RAPIDS, "bfloat16"), (COOPER_LAKE, "float32"), (GRAVITON3, "bfloat16"),
-    (ICE_LAKE, "float32"), (ZEN3, "float32"), (GRAVITON2, "float32"), ("", "float32")])
+    (SAPPHIRE_RAPIDS, "bfloat16"), (COOPER_LAKE, "float32"), (XEON_NO_AMX, "float32"),
+    (ZEN4, "bfloat16"), (GRAVITON3, "bfloat16"), (ICE_LAKE, "float32"), (ZEN3, "float32"),
+    (GRAVITON2, "float32"), ("", "float32")])
 def test_auto_follows_the_cpu_flags(cpuinfo, want):
     choice = resolve_dtype("auto", parse_cpu_flags(cpuinfo))
     assert choice.dtype == want
     assert choice.reason.startswith("auto: ")
-    if want == "bfloat16":
+    if cpuinfo is ZEN4:  # AMD's avx512_bf16 with the engine's own kernels (session 51)
+        assert "AMD with avx512_bf16" in choice.reason and "measured faster" in choice.reason
+    elif want == "bfloat16":
         assert re.search(r"\((amx_bf16|bf16)\), faster than float32", choice.reason), \
             choice.reason
-    elif cpuinfo is COOPER_LAKE:  # native, but slower than float32 without AMX (issue 31)
-        assert "avx512_bf16 without AMX, measured slower" in choice.reason, choice.reason
+    elif cpuinfo in (COOPER_LAKE, XEON_NO_AMX):  # Intel without AMX: slower (issue 31)
+        assert "avx512_bf16 on an Intel CPU without AMX, measured slower" in choice.reason, \
+            choice.reason
     else:
         assert "no native bfloat16" in choice.reason
     assert resolve_dtype("auto", None).dtype == "float32"  # flags unknown: the safe choice
+
+
+def test_the_vendor_is_read_as_a_pseudo_flag():
+    assert "vendor:AuthenticAMD" in parse_cpu_flags(ZEN4)
+    assert "vendor:GenuineIntel" in parse_cpu_flags(COOPER_LAKE)
+    # the same flags without the vendor line (PyTorch's probes): not known to be AMD, float32
+    no_vendor = parse_cpu_flags(ZEN4) - {"vendor:AuthenticAMD"}
+    assert resolve_dtype("auto", no_vendor).dtype == "float32"
 
 
 def test_explicit_dtypes_say_when_they_are_emulated():

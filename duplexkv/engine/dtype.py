@@ -7,29 +7,31 @@ elsewhere. Measured, per kind of CPU:
   in bfloat16 vs 4.5-5.8 s in float32 (four interleaved runs, loaded machine); on a quiet machine
   (`bench vs_vllm`, docs/results/vs-vllm.md) 0.33 vs 0.58 s. bf16 decode has its own AMX kernels
   there (docs/engine.md: a 4k-context, batch-1 step 9.15 -> 4.39 ms, faster than float32's ~9 ms).
-- AVX-512 with `avx512_bf16` but no AMX (Cooper Lake, Zen 4): float32. Its bfloat16 is native dot
-  products only; every bf16 product runs the engine's AVX-512 BF16 linear there (native_vdp.h,
-  since session 51), but decode attention and a step's layer loop still run PyTorch's bf16 ops and
-  Python (float32 runs a step as one native call), so decode, most of a serving worker's time,
-  stays slower in bfloat16:
+- AMD with `avx512_bf16` (Zen 4 and later), no AMX: bfloat16. Since session 51 bf16 runs the
+  engine's own AVX-512 BF16 kernels there (native_vdp.h: every product; native_vdp_attn.h:
+  attention, invariant as on AMX), and a VDPBF16PS does two bf16 products per lane where an FMA
+  does one float32 product: AMD EPYC Zen 4, 2 cores (`OMP_WAIT_POLICY=PASSIVE duplexkv bench
+  engine_ab --old . --new . --dtype float32 bfloat16 --reps 3 --cases prefill:2048 prefill:8192
+  decode:4096x1 decode:4096x8 decode:8192x1 decode:8192x8`, best / median bf16 over float32):
+  prefill 2k 0.53 / 0.54, 8k 0.56 / 0.56; decode step 4k x 1 1.01 / 0.73, 4k x 8 0.90 / 0.75,
+  8k x 1 0.71 / 0.69, 8k x 8 0.70 / 0.70.
+- Intel with `avx512_bf16` but no AMX (Cooper Lake, or a VM hiding AMX): float32. Measured slower
+  in bfloat16 before the AVX-512 BF16 kernels (below) and not measured with them, so the rule keeps
+  the measured choice there:
   - Intel Xeon with avx512_bf16 and avx512_fp16, no AMX, 2 cores (issue 31's table): a 2048^3
     torch matmul ran 90 GFLOP/s in bfloat16 vs 195 in float32; the engine's bfloat16 was 1.15x
     (2k prefill) to 1.9x (decode) slower than its float32.
-  - AMD EPYC Zen 4, 2 cores: the matmul runs 405-420 GFLOP/s in bfloat16 vs 165-182 in float32
-    (oneDNN's avx512_bf16 path), yet the engine's bfloat16 (`duplexkv bench engine_ab --old . --new .
-    --dtype float32 bfloat16 --reps 3`, best bf16/f32) was 0.73x at a 2k prefill, 1.00x at 8k
-    (attention), and 1.59-1.64x slower per decode step (4k x 1, 4k x 8, 8k x 8). With the AVX-512
-    BF16 linear a bf16 step at 4k x 1 went 16.9 -> 9.2 ms, 4k x 8 44.2 -> 35.4 ms (docs/engine.md),
-    against float32's ~5.6 and ~18 ms: still 1.6-2x slower.
-  A native bf16 decode attention that rounds as the prefill's does, and the step as one native
-  call, would be what turns Zen 4 to bfloat16; until then, float32.
+  (On AMD EPYC Zen 4, before those kernels, the engine's bfloat16 ran PyTorch's ops: 0.73x float32
+  at a 2k prefill, 1.00x at 8k, 1.59-1.64x slower per decode step; the matmul alone 405-420
+  GFLOP/s in bfloat16 vs 165-182 in float32.)
 - No native bfloat16 (AVX2, Ice Lake): float32. Every bfloat16 matmul is converted in software,
   ~3x slower (Ice Lake, 2k prefill: 2.29 s in bfloat16 vs 0.81 s in float32).
 - Arm with the `bf16` feature (BFMMLA, Graviton 3): bfloat16 (not measured here).
 An explicit `--dtype bfloat16` is honoured anywhere. The choice is a pure function of the CPU's feature flags
-(`resolve_dtype`), so it is tested for both kinds of CPU on any machine; `read_cpu_flags` reads
-them from /proc/cpuinfo (or $DUPLEXKV_CPUINFO, a file in the same format, to try another CPU's
-flags), falling back to PyTorch's own CPU probes where that file does not exist.
+and vendor (`resolve_dtype`; the vendor as a pseudo-flag, `vendor:AuthenticAMD`), so it is tested
+for every kind of CPU on any machine; `read_cpu_flags` reads them from /proc/cpuinfo (or
+$DUPLEXKV_CPUINFO, a file in the same format, to try another CPU's flags), falling back to
+PyTorch's own CPU probes where that file does not exist (no vendor there: AMD then gets float32).
 
 vLLM's names are accepted: `half` = float16, `float` = float32. vLLM's `auto` follows the
 checkpoint's `torch_dtype`; ours follows the CPU, since on a CPU that is what decides the speed.
@@ -49,6 +51,7 @@ CPUINFO_ENV = "DUPLEXKV_CPUINFO"
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 # those whose bfloat16 is faster than float32 (the module's docstring: measured), for `auto`
 FAST_BF16_FLAGS = ("amx_bf16", "bf16")
+AMD = "vendor:AuthenticAMD"  # parse_cpu_flags's pseudo-flag for the vendor_id line
 NATIVE_FP16_FLAGS = frozenset(("amx_fp16", "avx512_fp16", "fphp"))
 
 
@@ -67,12 +70,15 @@ def canonical(name: str) -> str:
 
 
 def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
-    """The feature flags in /proc/cpuinfo text (x86 `flags`, Arm `Features`)."""
+    """The feature flags in /proc/cpuinfo text (x86 `flags`, Arm `Features`), and the x86
+    vendor as `vendor:<vendor_id>`."""
     flags: set[str] = set()
     for line in cpuinfo.splitlines():
         key, sep, value = line.partition(":")
         if sep and key.strip() in ("flags", "Features"):
             flags.update(value.split())
+        elif sep and key.strip() == "vendor_id" and value.strip():
+            flags.add("vendor:" + value.strip())
     return frozenset(flags)
 
 
@@ -98,11 +104,14 @@ def resolve_dtype(requested: str, flags: frozenset[str] | None) -> DtypeChoice:
     if fast is not None:
         return DtypeChoice("bfloat16", f"auto: the CPU computes bfloat16 natively ({fast}), "
                                        "faster than float32")
+    if "avx512_bf16" in flags and AMD in flags:
+        return DtypeChoice("bfloat16", "auto: AMD with avx512_bf16 (Zen 4 or later): the "
+                                       "engine's AVX-512 BF16 kernels measured faster than "
+                                       "float32 (prefill ~1.8x, decode 1.0-1.4x)")
     if native_bf16_flag(flags) is not None:
-        return DtypeChoice("float32", "auto: native bfloat16 here is avx512_bf16 without AMX, "
-                                      "measured slower than float32 for this engine (decode "
-                                      "1.6-1.9x slower: no bf16 decode kernels for it), so "
-                                      "float32")
+        return DtypeChoice("float32", "auto: native bfloat16 here is avx512_bf16 on an Intel "
+                                      "CPU without AMX, measured slower than float32 for this "
+                                      "engine, so float32")
     return DtypeChoice("float32", "auto: no native bfloat16 on this CPU (none of "
                                   f"{', '.join(NATIVE_BF16_FLAGS)}), so float32 (bfloat16 would "
                                   "be emulated, ~3x slower)")
