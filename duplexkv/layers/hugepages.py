@@ -7,8 +7,10 @@ dot product like dkv_linear's 44-48 -> 56-61). Linux gives an anonymous mapping 
 is advised so (`/sys/kernel/mm/transparent_hugepage/enabled` = `madvise`, a common default) or
 always; glibc's heap and torch's allocator do not advise by default. So `move_parameters` puts the
 weights in one anonymous mapping of their own, aligned to 2 MiB, advised `MADV_HUGEPAGE`, in module
-order (a decode step's reading order), after the AMX packs (where they run) have released the
-plain copies of what they pack; the packed copies stay where amx.py put them. Bench model,
+order (a decode step's reading order), after the packed bf16 kernels (where they run) have
+released the plain copies of what they pack; the packed copies are buffers (`Linear.packed`) and
+move with them (bf16 decode steps on Zen 4 with them in the arena or not: best 1.00-1.01x, no
+measurable change; moved so that every weight a step reads is in one place). Bench model,
 float32, in-process decode steps at 4k x 1, two engines in one process alternated: 0.94-0.96x the
 time; prefill unchanged.
 

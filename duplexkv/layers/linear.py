@@ -84,9 +84,14 @@ class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state-dict names) computed by `linear` above, without
     the random initialisation: its weights always come from a checkpoint."""
 
-    packed: torch.Tensor | None = None  # the weight in the AMX kernel's layout, once `pack`ed
+    packed: torch.Tensor | None  # the weight in the packed kernels' layout, once `pack`ed
     bias32: torch.Tensor | None = None
     gate_up: bool = False  # packed as a fused gate/up weight: `silu_mul` (`pack(gate_up=True)`)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # a buffer (not saved): hugepages.move_parameters moves it with the weights
+        self.register_buffer("packed", None, persistent=False)
 
     def reset_parameters(self) -> None:
         pass
