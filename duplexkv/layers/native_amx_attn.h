@@ -152,28 +152,6 @@ static void at_tile_block(const struct causal_job *j, struct at_scratch *w, int6
     at_acc_update(w, t0, real, D);
 }
 
-static void at_task_run(const struct causal_job *j, struct at_scratch *w,
-                        const struct causal_task *t) {
-    const int64_t s = t->seq, D = j->D, rows = t->r1 - t->r0;
-    const int64_t padded = (rows + 15) / 16 * 16, ctx = j->start[s] + j->nnew[s];
-    at_fold(j, w, t, padded);
-    const int64_t last = w->pos[rows - 1];
-    const uint16_t *k = (const uint16_t *)j->kbase[s] + t->kvh * j->khs[s];
-    const uint16_t *v = (const uint16_t *)j->vbase[s] + t->kvh * j->vhs[s];
-    /* a lone tile (decode rows) meets each key once: K . Q^T spares packing K (at_scores_t) */
-    const int lone = padded == 16;
-    if (lone) at_pack_k(w->qtp, w->qt, D, 0, 16, D);
-    for (int64_t k0 = 0; k0 <= last; k0 += AT_BK) {
-        const int64_t nv = ctx - k0 < AT_BK ? ctx - k0 : AT_BK;
-        if (!lone) at_pack_k(w->kp, k, j->krs[s], k0, nv, D);
-        at_pack_v(w->vp, v, j->vrs[s], k0, nv, D);
-        for (int64_t t0 = 0; t0 < padded; t0 += 16)
-            at_tile_block(j, w, t0, k0, rows - t0 < 16 ? (int)(rows - t0) : 16,
-                          lone ? k : NULL, j->krs[s], ctx);
-    }
-    at_store(j, w, t);
-}
-
 static void at_tasks(void *ctx, int64_t t0, int64_t t1) {
     struct causal_job *j = ctx;
     struct at_scratch *w = at_scratch_get();
@@ -184,7 +162,7 @@ static void at_tasks(void *ctx, int64_t t0, int64_t t1) {
     struct amx_cfg cfg = {.palette = 1};
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
-    for (int64_t t = t0; t < t1; t++) at_task_run(j, w, &j->tasks[t]);
+    for (int64_t t = t0; t < t1; t++) at_task_walk(j, w, &j->tasks[t], at_tile_block, 1);
     _tile_release();
 }
 

@@ -192,4 +192,33 @@ static void at_store(const struct causal_job *j, const struct at_scratch *w,
         }
     }
 }
+
+/* one tile's work over the packed block at k0: rows t0 .. t0 + real - 1 of the task; kt, krs: the
+ * KV head's keys in place, for a lone tile whose K the caller left unpacked (else NULL) */
+typedef void (*at_tile_fn)(const struct causal_job *j, struct at_scratch *w, int64_t t0,
+                           int64_t k0, int real, const uint16_t *kt, int64_t krs, int64_t ctx);
+
+/* A task: its rows folded, then every key block up to its last row's position packed and met by
+ * each tile, then its outputs. With `lone_k` a task of one tile (decode rows) packs its queries
+ * once instead of each block's keys, and `tile` reads the keys in place (native_amx_attn.h). */
+static void at_task_walk(const struct causal_job *j, struct at_scratch *w,
+                         const struct causal_task *t, at_tile_fn tile, int lone_k) {
+    const int64_t s = t->seq, D = j->D, rows = t->r1 - t->r0;
+    const int64_t padded = (rows + 15) / 16 * 16, ctx = j->start[s] + j->nnew[s];
+    at_fold(j, w, t, padded);
+    const int64_t last = w->pos[rows - 1];
+    const uint16_t *k = (const uint16_t *)j->kbase[s] + t->kvh * j->khs[s];
+    const uint16_t *v = (const uint16_t *)j->vbase[s] + t->kvh * j->vhs[s];
+    const int lone = lone_k && padded == 16;
+    if (lone) at_pack_k(w->qtp, w->qt, D, 0, 16, D);
+    for (int64_t k0 = 0; k0 <= last; k0 += AT_BK) {
+        const int64_t nv = ctx - k0 < AT_BK ? ctx - k0 : AT_BK;
+        if (!lone) at_pack_k(w->kp, k, j->krs[s], k0, nv, D);
+        at_pack_v(w->vp, v, j->vrs[s], k0, nv, D);
+        for (int64_t t0 = 0; t0 < rows; t0 += 16)
+            tile(j, w, t0, k0, rows - t0 < 16 ? (int)(rows - t0) : 16, lone ? k : NULL,
+                 j->krs[s], ctx);
+    }
+    at_store(j, w, t);
+}
 #endif

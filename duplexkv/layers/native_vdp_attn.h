@@ -87,9 +87,11 @@ vat_pv(struct at_scratch *w, int64_t D, int i0, const int mr, int64_t g0, const 
     default: CALL(1, 1); break;                                                                  \
     }
 
-/* one tile (rows t0 .. t0 + real - 1 of the task) over the packed block at k0 */
+/* one tile (rows t0 .. t0 + real - 1 of the task) over the packed block at k0 (an at_tile_fn;
+ * its keys always packed: kt is NULL) */
 static void vat_tile_block(const struct causal_job *j, struct at_scratch *w, int64_t t0,
-                           int64_t k0, int real) {
+                           int64_t k0, int real, const uint16_t *kt, int64_t krs, int64_t ctx) {
+    (void)kt, (void)krs, (void)ctx;
     const int64_t D = j->D, dcols = D / 16;
     int64_t maxlim = 0;
     for (int i = 0; i < real; i++) {
@@ -118,24 +120,6 @@ static void vat_tile_block(const struct causal_job *j, struct at_scratch *w, int
     at_acc_update(w, t0, real, D);
 }
 
-static void vat_task_run(const struct causal_job *j, struct at_scratch *w,
-                         const struct causal_task *t) {
-    const int64_t s = t->seq, D = j->D, rows = t->r1 - t->r0;
-    const int64_t padded = (rows + 15) / 16 * 16, ctx = j->start[s] + j->nnew[s];
-    at_fold(j, w, t, padded);
-    const int64_t last = w->pos[rows - 1];
-    const uint16_t *k = (const uint16_t *)j->kbase[s] + t->kvh * j->khs[s];
-    const uint16_t *v = (const uint16_t *)j->vbase[s] + t->kvh * j->vhs[s];
-    for (int64_t k0 = 0; k0 <= last; k0 += AT_BK) {
-        const int64_t nv = ctx - k0 < AT_BK ? ctx - k0 : AT_BK;
-        at_pack_k(w->kp, k, j->krs[s], k0, nv, D);
-        at_pack_v(w->vp, v, j->vrs[s], k0, nv, D);
-        for (int64_t t0 = 0; t0 < rows; t0 += 16)
-            vat_tile_block(j, w, t0, k0, rows - t0 < 16 ? (int)(rows - t0) : 16);
-    }
-    at_store(j, w, t);
-}
-
 static void vat_tasks(void *ctx, int64_t t0, int64_t t1) {
     struct causal_job *j = ctx;
     struct at_scratch *w = at_scratch_get();
@@ -143,7 +127,7 @@ static void vat_tasks(void *ctx, int64_t t0, int64_t t1) {
         atomic_store(&j->failed, 1);
         return;
     }
-    for (int64_t t = t0; t < t1; t++) vat_task_run(j, w, &j->tasks[t]);
+    for (int64_t t = t0; t < t1; t++) at_task_walk(j, w, &j->tasks[t], vat_tile_block, 0);
 }
 
 /* as dkv_amx_attention (native_amx_attn.h) */
