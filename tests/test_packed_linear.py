@@ -103,7 +103,7 @@ def test_what_the_kernel_cannot_take_stays_on_the_other_paths():
     layer = Linear(48, 16, bias=False).bfloat16()  # in_features not a multiple of 32
     assert not layer.pack()
     assert not Linear(64, 16, bias=False).pack()  # float32 weights
-    if amx.linear_available():
+    if amx.kernels():
         packed = amx.pack(torch.zeros(16, 64, dtype=torch.bfloat16))
         with pytest.raises(ValueError):
             amx.linear(torch.zeros(2, 64), packed, 16)  # float32 rows

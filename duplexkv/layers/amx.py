@@ -45,11 +45,6 @@ def kernels() -> tuple[str, ...]:
     return _kernels
 
 
-def linear_available() -> bool:
-    """Whether `pack` / `linear` run here (on either kernel)."""
-    return bool(kernels())
-
-
 def _pick(kernel: str | None, what: str) -> str:
     runs = kernels()
     kernel = kernel or (runs[0] if runs else None)

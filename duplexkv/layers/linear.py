@@ -27,7 +27,7 @@ again); more rows (prefill chunks) take the oneDNN path above, or `F.linear`, wh
 GEMM needs no transpose. `DUPLEXKV_SMALL_GEMM=0` turns every path off (A/B measurements, or a
 BLAS where they do not pay).
 
-bf16 weights on a CPU with AMX or `avx512_bf16` (`amx.linear_available()`) are packed once
+bf16 weights on a CPU with AMX or `avx512_bf16` (`amx.kernels()` not empty) are packed once
 after loading (`Linear.pack`) and every product, whatever its row count, runs `amx.linear` (the
 AMX kernel, else the AVX-512 BF16 one) on the kernels' own threads: one reduction order for a row
 whatever M, so a decode step's rows round as a prefill's rows do (reuse keeps answers,
@@ -99,13 +99,12 @@ class Linear(nn.Linear):
     def pack(self, keep_weight: bool = False, gate_up: bool = False) -> bool:
         """Compute every product with the packed bf16 kernel (AMX or AVX-512 BF16, `amx.linear`)
         from now on, if one runs here and takes this weight (bf16, in_features a multiple of
-        32). Unless `keep_weight` (a weight shared with
-        another module, as a tied LM head's), the plain weight is released: the packed copy is the
-        only one. With `gate_up` (a fused [gate; up] weight, no bias, out_features % 32 == 0) the
+        32). Unless `keep_weight` (a weight shared with another module, as a tied LM head's), the
+        plain weight is released: the packed copy is the only one. With `gate_up` (a fused [gate; up] weight, no bias, out_features % 32 == 0) the
         module computes `silu_mul` instead of its product. Returns whether it packed."""
         w = self.weight
         if (not AMX_LINEAR or self.packed is not None or w.dtype != torch.bfloat16
-                or self.in_features % amx.K_MULTIPLE or not amx.linear_available()
+                or self.in_features % amx.K_MULTIPLE or not amx.kernels()
                 or (gate_up and (self.bias is not None or self.out_features % 32))):
             return False
         w = w.detach().contiguous()
