@@ -32,7 +32,9 @@
 #define FA_LOG2E 1.4426950408889634f
 #define FA_EXP_SCALAR exp2f
 #else
-#define FA_ACC 8 /* of 16 */
+/* of 16: 3 vectors of a value row x 4 queries (8 accumulators were bound by the FMA latency,
+ * not by the loads) */
+#define FA_ACC 12
 #define FA_LOG2E 1.0f
 #define FA_EXP_SCALAR expf
 #endif
@@ -92,7 +94,11 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
     for (int64_t j = 0; j < full; j += VL) {
         if (j + PREFETCH + VL <= n)
             prefetch_rows(kc + (j + PREFETCH) * row_stride, row_stride, D, VL, KHINT);
+#if VL == 16 /* not on AVX2: there the P.V pass's prefetch of the next chunk and the hardware's
+             * bring the values, and without this a call ran 0.85-0.97x (AMD EPYC Zen 2, 2
+             * threads, bench shapes, KV out of cache, 4k x 1, 4k x 8, 8k x 1; with FA_ACC 12) */
         prefetch_rows(vc + j * row_stride, row_stride, D, VL, VHINT); /* for the P.V pass */
+#endif
         for (int64_t g = 0; g < G; g++) {
             const float *qg = q + g * D;
             vf acc[VL] = {{0}};
@@ -141,7 +147,11 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
         pg[1] = sum;
     }
     for (int64_t c0 = 0; c0 < nv;) {
+#if VL == 16
         const int db = nv - c0 >= 4 ? 4 : nv - c0 >= 2 ? 2 : 1;
+#else /* three vectors of the row at a time (the fourth would leave no register free) */
+        const int db = nv - c0 >= 3 ? 3 : nv - c0 >= 2 ? 2 : 1;
+#endif
         for (int64_t g0 = 0; g0 < G;) {
             const int left = (int)(G - g0);
             const int gb = left >= 4 && 4 * db <= FA_ACC   ? 4
@@ -153,6 +163,9 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
             case 4 * 8 + 4: PV(4, 4); break;
             case 4 * 8 + 2: PV(4, 2); break;
             case 4 * 8 + 1: PV(4, 1); break;
+            case 3 * 8 + 4: PV(3, 4); break;
+            case 3 * 8 + 2: PV(3, 2); break;
+            case 3 * 8 + 1: PV(3, 1); break;
             case 2 * 8 + 4: PV(2, 4); break;
             case 2 * 8 + 2: PV(2, 2); break;
             case 2 * 8 + 1: PV(2, 1); break;
