@@ -55,7 +55,7 @@ def _sdpa(q, k, v, scale):
                                          (2, 3, 80), (1, 7, 48), (1, 16, 16)])
 def test_decode_attention_matches_sdpa_over_mixed_lengths(kvh, group, d):
     # groups and head sizes that take every register-block shape of the P.V pass (4, 2 and 1
-    # queries by 4, 2 and 1 vectors of a row, on 8- and 16-float vectors)
+    # queries by 4, 2 and 1 vectors of a row on 16-float vectors, by 3, 2 and 1 on 8-float ones)
     g = torch.Generator().manual_seed(kvh * 100 + group * 10 + d)
     lengths = [1, 7, 8, 15, 16, 17, 255, 256, 257, 1000]  # around the 8/16-key and 256-key blocks
     cap = max(lengths) + 5
