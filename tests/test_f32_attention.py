@@ -1,4 +1,4 @@
-"""The float32 prefill attention kernel (native_f32_prefill.h, AVX-512 builds) against causal
+"""The float32 prefill attention kernel (native_f32_prefill.h, AVX-512 and AVX2 builds) against causal
 attention in float64, over the shapes and layouts the engine gives it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from duplexkv.layers import attention, causal_kernel, native
 
 pytestmark = pytest.mark.skipif(
     not causal_kernel.f32_ok(torch.empty(1, 1, 64), 1),
-    reason="the float32 prefill kernel is built for AVX-512 CPUs only (elsewhere: SDPA)")
+    reason="the float32 prefill kernel is built for AVX-512 and AVX2 CPUs only (elsewhere: SDPA)")
 
 
 def _reference(q, k, v, start, scale):

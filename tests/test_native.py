@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from duplexkv.layers import native
 from duplexkv.layers.staging import kv_append
 
+F32_TESTS = Path(__file__).with_name("test_f32_attention.py")  # run again in the Haswell build
+
 
 @pytest.fixture(autouse=True)
 def _kernels_loaded():
@@ -314,13 +316,15 @@ def test_a_forked_child_runs_the_kernels():
 def test_the_avx2_build_is_right_on_a_cpu_with_more(tmp_path):
     """The kernels are built for the CPU they run on, so a machine with AVX-512 never runs their
     8-float paths (AVX2 CPUs, the project's AMD kind). Build them for Haswell here too and run the
-    float32 checks above against it, in a process of its own."""
+    float32 checks above and the float32 prefill attention's (tests/test_f32_attention.py) against
+    it, in a process of its own."""
     if platform.machine() != "x86_64" or "avx512f" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU's own build is the AVX2 (or non-x86) one: the tests above ran it")
     code = ("import sys, pytest\nfrom duplexkv.layers import native\n"
             "native.COMPILE_FLAGS[native.COMPILE_FLAGS.index('-march=native')] = '-march=haswell'\n"
             f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', "
-            "'(decode or linear or rmsnorm or rope or silu) and not avx2 and not engine']))\n")
+            "'(decode or linear or rmsnorm or rope or silu) and not avx2 and not engine']) or "
+            f"pytest.main(['-q', '-p', 'no:cacheprovider', {str(F32_TESTS)!r}]))\n")
     env = {**os.environ, "DUPLEXKV_CACHE_DIR": str(tmp_path)}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=300)

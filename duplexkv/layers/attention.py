@@ -16,9 +16,10 @@ attends with `scaled_dot_product_attention`:
     lower-right causal attention, but both halves run SDPA's fast kernel; a mask is 2-3x slower)
 
 That is float32's way where our kernels are not built (and any dtype's where this torch lacks the
-flash kernel with log-sum-exp). float32 prefill chunks on a CPU with AVX-512 run every sequence of
-a step in one call of native_f32_prefill.h instead (`causal_kernel.f32_attention`: no expanded KV
-heads, no merge; bench model, 8k tokens: ~0.8x SDPA's time), float32 decode rows
+flash kernel with log-sum-exp). float32 prefill chunks on a CPU with AVX-512 or AVX2 run every
+sequence of a step in one call of native_f32_prefill.h instead (`causal_kernel.f32_attention`: no
+expanded KV heads, no merge; bench model, 8k tokens: ~0.8x SDPA's time on AVX-512, 2k ~0.65x on
+AVX2), float32 decode rows
 native_f32_attn.h; DUPLEXKV_F32_ATTENTION=0 keeps SDPA for prefill (A/B).
 bf16/fp16 take a chunking-invariant path instead: on a CPU with AMX or `avx512_bf16`, bf16 runs
 every sequence of a step in one call of our own kernel (native_amx_attn.h on AMX, else
