@@ -181,52 +181,7 @@ static inline void fp_out_row(float *o, const float *acc, const float *lvec, int
         _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_load_ps(acc + d), inv));
 }
 
-#else /* AVX2: 8-float vectors, 16 registers */
-#include <immintrin.h>
-
-/* 2^x for 8 floats, x <= 0 (scores minus a running maximum): the polynomial of v16_exp2, the
- * power of two built in the exponent bits (inputs below -126 give 2^-126, a caller masks what
- * must be exactly zero) */
-static inline __m256 v8_exp2(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
-    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.5403530e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                         _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-static inline float v8_hmax(__m256 a) {
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-}
-
-/* r[j][n] <- r[n][j] for an 8 x 8 matrix of floats */
-static inline void v8_transpose8(__m256 r[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) { /* columns (k, k + 4) of rows i .. i + 3, k = 0 .. 3 */
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-    }
-    for (int k = 0; k < 4; k++) {
-        r[k] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x20);
-        r[k + 4] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x31);
-    }
-}
+#else /* AVX2: 8-float vectors, 16 registers (helpers: native_simd.h) */
 
 /* keys [k0, k0 + nv) of one KV head (row stride rs) -> kt, zero columns from nv to FP_BK */
 static void fp_pack_k(float *kt, const float *k, int64_t rs, int64_t k0, int64_t nv, int64_t D) {

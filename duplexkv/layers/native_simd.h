@@ -1,4 +1,4 @@
-/* Vector helpers shared by the kernels (AVX-512 builds only).
+/* Vector helpers shared by the kernels (AVX-512 builds; at the end, the AVX2 builds' few).
  *
  * v16_exp2: 2^x for 16 floats by a polynomial of our own (the same instructions for every lane
  * and every call, so a value's result never depends on its neighbours or on which kernel asks):
@@ -14,20 +14,21 @@
  * the bf16 SiLU kernel (native_bf16.h) and of the AMX linear's fused gate/up epilogue
  * (native_amx.h), so both give the same bits: every step explicitly rounded, e^-x by v16_exp2.
  */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
+/* 2^f for |f| <= 0.5: Taylor coefficients, highest degree first */
+static const float EXP2_C[7] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f,
+                                2.4022651e-1f, 6.9314718e-1f, 1.0f};
+#endif
+
+#if defined(__AVX512F__)
 static inline __m512 v16_exp2(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_round_ps(x, n, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(EXP2_C[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C[i]));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -124,4 +125,47 @@ static inline void bf16_pair_store(uint16_t *y, int64_t m0, int64_t rows, int64_
     }
 }
 #endif
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* The AVX2 builds' helpers (native_f32_prefill.h's 8-float tiles). */
+
+/* 2^x for 8 floats, x <= 0 (scores minus a running maximum): the polynomial of v16_exp2, the
+ * power of two built in the exponent bits (inputs below -126 give 2^-126, a caller masks what
+ * must be exactly zero) */
+static inline __m256 v8_exp2(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(EXP2_C[0]);
+    for (int i = 1; i < 7; i++) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C[i]));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float v8_hmax(__m256 a) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* r[j][n] <- r[n][j] for an 8 x 8 matrix of floats */
+static inline void v8_transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* columns (k, k + 4) of rows i .. i + 3, k = 0 .. 3 */
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[k] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x20);
+        r[k + 4] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x31);
+    }
+}
 #endif
