@@ -57,7 +57,8 @@ _f32_built: bool | None = None  # whether this CPU's build has the float32 kerne
 
 def f32_ok(q: torch.Tensor, num_kv: int) -> bool:
     """Whether `f32_attention` takes float32 queries like q [T, H, D] over num_kv KV heads: the
-    kernels are built with AVX-512 or AVX2 (16- or 8-float vectors), D % 16 == 0 up to F32_MAX_HEAD_DIM."""
+    kernels are built with AVX-512 or AVX2 (16- or 8-float vectors), D % 16 == 0 up to
+    F32_MAX_HEAD_DIM."""
     global _f32_built
     d = q.shape[-1]
     if q.dtype != torch.float32 or d % 16 or not 0 < d <= F32_MAX_HEAD_DIM or q.shape[1] % num_kv:
