@@ -166,21 +166,6 @@ static void fp_scores(struct fp_scratch *w, int64_t t0, int64_t k0, int64_t D) {
     }
 }
 
-/* a folded row scaled by sl into the scratch (src NULL: a row of zeros, past the task's last) */
-static inline void fp_fold_row(float *dst, const float *src, float sl, int64_t D) {
-    const __m512 s = _mm512_set1_ps(sl);
-    for (int64_t d = 0; d < D; d += 16)
-        _mm512_store_ps(dst + d, src ? _mm512_mul_ps(_mm512_loadu_ps(src + d), s)
-                                     : _mm512_setzero_ps());
-}
-
-/* a row's output: its accumulators over the sum of its denominator lanes */
-static inline void fp_out_row(float *o, const float *acc, const float *lvec, int64_t D) {
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(lvec)));
-    for (int64_t d = 0; d < D; d += 16)
-        _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_load_ps(acc + d), inv));
-}
-
 #else /* AVX2: 8-float vectors, 16 registers (helpers: native_simd.h) */
 
 /* keys [k0, k0 + nv) of one KV head (row stride rs) -> kt, zero columns from nv to FP_BK */
@@ -288,23 +273,19 @@ static void fp_scores(struct fp_scratch *w, int64_t t0, int64_t k0, int64_t D) {
                                                           _mm256_set1_ps(alpha[r]), sum));
     }
 }
-
-static inline void fp_fold_row(float *dst, const float *src, float sl, int64_t D) {
-    const __m256 s = _mm256_set1_ps(sl);
-    for (int64_t d = 0; d < D; d += 8)
-        _mm256_store_ps(dst + d, src ? _mm256_mul_ps(_mm256_loadu_ps(src + d), s)
-                                     : _mm256_setzero_ps());
-}
-
-static inline void fp_out_row(float *o, const float *acc, const float *lvec, int64_t D) {
-    const __m256 l = _mm256_load_ps(lvec);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(l), _mm256_extractf128_ps(l, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    const __m256 inv = _mm256_set1_ps(1.0f / _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h))));
-    for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_load_ps(acc + d), inv));
-}
 #endif
+
+/* Both ISAs, in the build's vectors (vf: VL floats, native_kernels.c). A folded row scaled by sl
+ * into the scratch (src NULL: a row of zeros, past the task's last). */
+static inline void fp_fold_row(float *dst, const float *src, float sl, int64_t D) {
+    for (int64_t d = 0; d < D; d += VL) *(vf *)(dst + d) = src ? loadv(src + d) * sl : (vf){0};
+}
+
+/* a row's output: its accumulators over the sum of its denominator lanes (VL of the 16) */
+static inline void fp_out_row(float *o, const float *acc, const float *lvec, int64_t D) {
+    const float inv = 1.0f / hsumv(loadv(lvec));
+    for (int64_t d = 0; d < D; d += VL) *(vf *)(o + d) = loadv(acc + d) * inv;
+}
 
 static void fp_task_run(const struct causal_job *j, struct fp_scratch *w,
                         const struct causal_task *t) {
