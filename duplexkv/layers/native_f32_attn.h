@@ -39,6 +39,18 @@
 #define FA_EXP_SCALAR expf
 #endif
 
+/* SPREAD (AVX2): a block's prefetches go out a line per (query, vector) step of the score pass
+ * instead of all at its start, and the P.V pass asks for the next chunk's keys only (its values
+ * come in its own score pass), their lines dealt over the row's blocks. Bursts of 64 prefetches
+ * left memory idle while the chunk computed: one call, KV out of cache, 2 threads (AMD EPYC Zen
+ * 2, bench shapes) went 0.27 -> 0.21 ms at 4k x 1, 0.54 -> 0.39 at 8k x 1, 1.9 -> 1.6 at 4k x 8.
+ * AVX-512 builds keep the bursts (tuned on Zen 4 and the AMX Xeon; spreading not measured there). */
+#if VL == 16
+#define SPREAD 0
+#else
+#define SPREAD 1
+#endif
+
 /* key rows ahead and the chunk's value rows, both into L2 (locality 2): L1 hints for the values
  * were 8 % slower (bench model, 8 x 4k, AMX Xeon); for the keys, 16 rows ahead into L2 instead of
  * 32 into L1 made a call 0.87-0.92x at 8 x 4k and 8 x 8k, 0.94-0.98x at 1 x 4k-8k (AMD Zen 4, 2
@@ -61,12 +73,23 @@ pv_block(float s[][CHUNK], const float *vc, int64_t row_stride, int64_t n, int64
          int64_t c0, const int db, const int gb, float *part, int64_t D, const float *next_k,
          const float *next_v, int64_t ahead) {
     vf acc[4][4] = {{{0}}};
+#if SPREAD /* this block's share of each next key row's lines (blocks of 3 vectors but the last) */
+    const int64_t lines = D / 16, blocks = (D / VL + 2) / 3;
+    (void)next_v;
+    if (g0) ahead = 0;
+#else
     if (c0 || g0) ahead = 0;
+#endif
     for (int64_t j = 0; j < n; j++) {
         const float *vj = vc + j * row_stride + c0 * VL;
         if (j < ahead) {
+#if SPREAD
+            for (int64_t l = c0 / 3; l < lines; l += blocks)
+                __builtin_prefetch(next_k + j * row_stride + l * 16, 0, VHINT);
+#else
             prefetch_rows(next_k + j * row_stride, row_stride, D, 1, VHINT);
             prefetch_rows(next_v + j * row_stride, row_stride, D, 1, VHINT);
+#endif
         }
         vf vv[4];
         for (int c = 0; c < db; c++) vv[c] = loadv(vj + c * VL);
@@ -91,18 +114,31 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
     const int64_t n = j1 - j0, full = n / VL * VL, nv = D / VL;
     const float *kc = k + j0 * row_stride, *vc = v + j0 * row_stride;
     const float sc = scale * FA_LOG2E;
+#if SPREAD /* lines of the block's key rows PREFETCH ahead and of its value rows, per step */
+    const int64_t per_step = (VL * D / 16 + G * nv - 1) / (G * nv);
+#endif
     for (int64_t j = 0; j < full; j += VL) {
-        if (j + PREFETCH + VL <= n)
-            prefetch_rows(kc + (j + PREFETCH) * row_stride, row_stride, D, VL, KHINT);
-#if VL == 16 /* not on AVX2: there the P.V pass's prefetch of the next chunk and the hardware's
-             * bring the values, and without this a call ran 0.85-0.97x (AMD EPYC Zen 2, 2
-             * threads, bench shapes, KV out of cache, 4k x 1, 4k x 8, 8k x 1; with FA_ACC 12) */
+        const int keys_ahead = j + PREFETCH + VL <= n;
+#if !SPREAD
+        if (keys_ahead) prefetch_rows(kc + (j + PREFETCH) * row_stride, row_stride, D, VL, KHINT);
         prefetch_rows(vc + j * row_stride, row_stride, D, VL, VHINT); /* for the P.V pass */
+#endif
+#if SPREAD
+        int64_t pr = 0, po = 0; /* the next line to ask for: row pr of the block, float po */
 #endif
         for (int64_t g = 0; g < G; g++) {
             const float *qg = q + g * D;
             vf acc[VL] = {{0}};
             for (int64_t c = 0; c < nv; c++) {
+#if SPREAD
+                for (int64_t l = 0; l < per_step && pr < VL; l++) {
+                    if (keys_ahead)
+                        __builtin_prefetch(kc + (j + PREFETCH + pr) * row_stride + po, 0, KHINT);
+                    __builtin_prefetch(vc + (j + pr) * row_stride + po, 0, VHINT);
+                    po += 16;
+                    if (po == D) po = 0, pr++;
+                }
+#endif
                 const vf qv = loadv(qg + c * VL);
                 for (int t = 0; t < VL; t++)
                     acc[t] += qv * loadv(kc + (j + t) * row_stride + c * VL);
