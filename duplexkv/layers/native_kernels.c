@@ -194,9 +194,10 @@ linear_tile(const float *x, const float *const w[4], float *y, int64_t rows, int
  * its rows as one sequential stream (four interleaved row streams, as the blocks below read them,
  * stalled the hardware prefetcher on long runs: a 1 GiB weight read at 36 GB/s against 46 for
  * the sequential stream, AMD Zen 4), the row ROW_AHEAD ahead prefetched into L2; four
- * accumulators */
-static void linear_row(const float *x, const float *w, float *y, int64_t n0, int64_t n1,
-                       int64_t K) {
+ * accumulators. Not inlined into linear_blocks: inlined beside the AVX2 3-row tiles, a step's
+ * weights at 1 row read 3-6 % slower (code placement; AMD EPYC Zen 2) */
+static __attribute__((noinline)) void linear_row(const float *x, const float *w, float *y,
+                                                int64_t n0, int64_t n1, int64_t K) {
     for (int64_t n = n0; n < n1; n++) {
         const float *r = w + n * K;
         const float *pf = n + ROW_AHEAD < n1 ? r + ROW_AHEAD * K : NULL;
