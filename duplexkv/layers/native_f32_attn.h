@@ -119,12 +119,11 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
 #endif
     for (int64_t j = 0; j < full; j += VL) {
         const int keys_ahead = j + PREFETCH + VL <= n;
-#if !SPREAD
-        if (keys_ahead) prefetch_rows(kc + (j + PREFETCH) * row_stride, row_stride, D, VL, KHINT);
-        prefetch_rows(vc + j * row_stride, row_stride, D, VL, VHINT); /* for the P.V pass */
-#endif
 #if SPREAD
         int64_t pr = 0, po = 0; /* the next line to ask for: row pr of the block, float po */
+#else
+        if (keys_ahead) prefetch_rows(kc + (j + PREFETCH) * row_stride, row_stride, D, VL, KHINT);
+        prefetch_rows(vc + j * row_stride, row_stride, D, VL, VHINT); /* for the P.V pass */
 #endif
         for (int64_t g = 0; g < G; g++) {
             const float *qg = q + g * D;
