@@ -38,7 +38,7 @@ def test_linear_matches_torch(m, n, k):  # k 512: rows long enough to prefetch t
     assert native.linear_ok(x, w)
     # against the float64 product: float32 sums of k terms in any order sit ~1e-6 * sqrt(k) away
     exact = F.linear(x.double(), w.double()).float()
-    tol = 1e-5 * max(1.0, (k / 64) ** 0.5)
+    tol = 1e-5 * max(1.0, (k / 192) ** 0.5)  # 1e-5 up to the 192-term rows, as against F.linear
     torch.testing.assert_close(native.linear(x, w), exact, rtol=tol, atol=tol)
 
 
