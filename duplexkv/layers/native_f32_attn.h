@@ -35,16 +35,31 @@
 /* of 16: 3 vectors of a value row x 4 queries (8 accumulators were bound by the FMA latency,
  * not by the loads) */
 #define FA_ACC 12
+#if defined(__AVX2__) && defined(__FMA__)
+/* scores in log2 units and v8_exp2 (native_simd.h) inline: glibc's vector expf took the softmax
+ * pass 6.6 cycles a key (4 queries, data in L1, AMD EPYC Zen 2), the polynomial 4.5, and memory
+ * idles during that pass */
+#define FA_V8_EXP2 1
+#define FA_LOG2E 1.4426950408889634f
+#define FA_EXP_SCALAR exp2f
+#else
+#define FA_V8_EXP2 0
 #define FA_LOG2E 1.0f
 #define FA_EXP_SCALAR expf
 #endif
+#endif
 
-/* SPREAD (AVX2): a block's prefetches go out a line per (query, vector) step of the score pass
- * instead of all at its start, and the P.V pass asks for the next chunk's keys only (its values
- * come in its own score pass), their lines dealt over the row's blocks. Bursts of 64 prefetches
- * left memory idle while the chunk computed: one call, KV out of cache, 2 threads (AMD EPYC Zen
- * 2, bench shapes) went 0.27 -> 0.21 ms at 4k x 1, 0.54 -> 0.39 at 8k x 1, 1.9 -> 1.6 at 4k x 8.
- * AVX-512 builds keep the bursts (tuned on Zen 4 and the AMX Xeon; spreading not measured there). */
+/* SPREAD (AVX2): a block's prefetches are dealt over its queries in the score pass (query g asks
+ * for whole rows g VL / G .. (g + 1) VL / G - 1 of the block's values and of the keys PREFETCH
+ * ahead) instead of all at its start, and the P.V pass asks for the next chunk's keys only (its
+ * values come in its own score pass): each of the pass's column blocks takes its own run of rows,
+ * a whole row every `blocks` rows it reads, so the rows are asked for in order. Bursts of 64
+ * prefetches left memory idle while the chunk computed: one call, KV out of cache, 2 threads (AMD
+ * EPYC Zen 2, bench shapes) went 0.27 -> 0.21 ms at 4k x 1, 0.54 -> 0.39 at 8k x 1, 1.9 -> 1.6 at
+ * 4k x 8 (session 53, a line per (query, vector) step and each row's lines dealt over the column
+ * blocks); asking for whole rows in order, 0.90-0.93x of that at 4k x 1 and 8k x 1, 0.87-0.89x
+ * at 4k x 8 (session 54). AVX-512 builds keep the bursts (tuned on Zen 4 and the AMX Xeon;
+ * spreading not measured there). */
 #if VL == 16
 #define SPREAD 0
 #else
@@ -73,24 +88,28 @@ pv_block(float s[][CHUNK], const float *vc, int64_t row_stride, int64_t n, int64
          int64_t c0, const int db, const int gb, float *part, int64_t D, const float *next_k,
          const float *next_v, int64_t ahead) {
     vf acc[4][4] = {{{0}}};
-#if SPREAD /* this block's share of each next key row's lines (blocks of 3 vectors but the last) */
-    const int64_t lines = D / 16, blocks = (D / VL + 2) / 3;
+#if SPREAD /* this column block's run of the next chunk's key rows (blocks of 3 vectors but the
+            * last), a row every `blocks` rows read */
+    const int64_t blocks = (D / VL + 2) / 3, share = (ahead + blocks - 1) / blocks;
+    int64_t ask = (c0 / 3) * share, tick = 0;
+    const int64_t ask_end = g0 ? 0 : ask + share < ahead ? ask + share : ahead;
     (void)next_v;
-    if (g0) ahead = 0;
 #else
     if (c0 || g0) ahead = 0;
 #endif
     for (int64_t j = 0; j < n; j++) {
         const float *vj = vc + j * row_stride + c0 * VL;
-        if (j < ahead) {
 #if SPREAD
-            for (int64_t l = c0 / 3; l < lines; l += blocks)
-                __builtin_prefetch(next_k + j * row_stride + l * 16, 0, VHINT);
+        if (ask < ask_end && tick-- == 0) {
+            prefetch_rows(next_k + ask * row_stride, row_stride, D, 1, VHINT);
+            ask++, tick = blocks - 1;
+        }
 #else
+        if (j < ahead) {
             prefetch_rows(next_k + j * row_stride, row_stride, D, 1, VHINT);
             prefetch_rows(next_v + j * row_stride, row_stride, D, 1, VHINT);
-#endif
         }
+#endif
         vf vv[4];
         for (int c = 0; c < db; c++) vv[c] = loadv(vj + c * VL);
         for (int g = 0; g < gb; g++) {
@@ -114,30 +133,23 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
     const int64_t n = j1 - j0, full = n / VL * VL, nv = D / VL;
     const float *kc = k + j0 * row_stride, *vc = v + j0 * row_stride;
     const float sc = scale * FA_LOG2E;
-#if SPREAD /* lines of the block's key rows PREFETCH ahead and of its value rows, per step */
-    const int64_t per_step = (VL * D / 16 + G * nv - 1) / (G * nv);
-#endif
     for (int64_t j = 0; j < full; j += VL) {
         const int keys_ahead = j + PREFETCH + VL <= n;
-#if SPREAD
-        int64_t pr = 0, po = 0; /* the next line to ask for: row pr of the block, float po */
-#else
+#if !SPREAD
         if (keys_ahead) prefetch_rows(kc + (j + PREFETCH) * row_stride, row_stride, D, VL, KHINT);
         prefetch_rows(vc + j * row_stride, row_stride, D, VL, VHINT); /* for the P.V pass */
 #endif
         for (int64_t g = 0; g < G; g++) {
             const float *qg = q + g * D;
             vf acc[VL] = {{0}};
-            for (int64_t c = 0; c < nv; c++) {
-#if SPREAD
-                for (int64_t l = 0; l < per_step && pr < VL; l++) {
-                    if (keys_ahead)
-                        __builtin_prefetch(kc + (j + PREFETCH + pr) * row_stride + po, 0, KHINT);
-                    __builtin_prefetch(vc + (j + pr) * row_stride + po, 0, VHINT);
-                    po += 16;
-                    if (po == D) po = 0, pr++;
-                }
+#if SPREAD /* this query's share of the block's rows */
+            for (int64_t t = g * VL / G; t < (g + 1) * VL / G; t++) {
+                if (keys_ahead)
+                    prefetch_rows(kc + (j + PREFETCH + t) * row_stride, row_stride, D, 1, KHINT);
+                prefetch_rows(vc + (j + t) * row_stride, row_stride, D, 1, VHINT);
+            }
 #endif
+            for (int64_t c = 0; c < nv; c++) {
                 const vf qv = loadv(qg + c * VL);
                 for (int t = 0; t < VL; t++)
                     acc[t] += qv * loadv(kc + (j + t) * row_stride + c * VL);
@@ -166,6 +178,20 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
             tot = _mm512_add_ps(tot, e);
         }
         sum = _mm512_reduce_add_ps(tot);
+        for (; j < n; j++) {
+            s[g][j] = exp2f(s[g][j] - mx);
+            sum += s[g][j];
+        }
+#elif FA_V8_EXP2
+        const __m256 m = _mm256_set1_ps(mx);
+        __m256 tot = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j < full; j += 8) {
+            const __m256 e = v8_exp2(_mm256_sub_ps(_mm256_load_ps(s[g] + j), m));
+            _mm256_store_ps(s[g] + j, e);
+            tot = _mm256_add_ps(tot, e);
+        }
+        sum = hsum8((v8)tot);
         for (; j < n; j++) {
             s[g][j] = exp2f(s[g][j] - mx);
             sum += s[g][j];
