@@ -14,8 +14,10 @@
  *   P . V    each value row read once for up to FA_ACC / vectors-per-row queries, their
  *            accumulators in registers (pv_block, specialised by shape)
  *
- * Vectors are as wide as the build's CPU allows: 16 floats on AVX-512 (scores in log2 units and
- * exp2 by v16_exp2, native_simd.h), 8 elsewhere (glibc's vector expf). A unit's grain of chunks
+ * AVX2 builds compute a chunk in one pass instead (native_f32_attn_avx2.h: online softmax, keys
+ * and values streamed together). Vectors are as wide as the build's CPU allows: 16 floats on
+ * AVX-512 (scores in log2 units and exp2 by v16_exp2, native_simd.h), 8 elsewhere (AVX2: log2
+ * units and v8_exp2; other builds: glibc's vector expf). A unit's grain of chunks
  * is claimed whole, so a thread walks one head's keys in order (the hardware prefetcher's best
  * case). The head size must be a multiple of 16 (native.py `attention_ok`).
  */
@@ -35,21 +37,22 @@
 /* of 16: 3 vectors of a value row x 4 queries (8 accumulators were bound by the FMA latency,
  * not by the loads) */
 #define FA_ACC 12
-#if defined(__AVX2__) && defined(__FMA__)
-/* scores in log2 units and v8_exp2 (native_simd.h) inline: glibc's vector expf took the softmax
- * pass 6.6 cycles a key (4 queries, data in L1, AMD EPYC Zen 2), the polynomial 4.5, and memory
- * idles during that pass */
-#define FA_V8_EXP2 1
+#if defined(__AVX2__) && defined(__FMA__) /* the one-pass kernel: log2 units, v8_exp2 */
+#define FA_ONE_PASS 1
 #define FA_LOG2E 1.4426950408889634f
 #define FA_EXP_SCALAR exp2f
 #else
-#define FA_V8_EXP2 0
+#define FA_ONE_PASS 0
 #define FA_LOG2E 1.0f
 #define FA_EXP_SCALAR expf
 #endif
 #endif
+#ifndef FA_ONE_PASS
+#define FA_ONE_PASS 0
+#endif
 
-/* SPREAD (AVX2): a block's prefetches are dealt over its queries in the score pass (query g asks
+/* SPREAD (the three-pass kernel on 8-float builds; measured on AVX2 before the one-pass kernel
+ * took its place there): a block's prefetches are dealt over its queries in the score pass (query g asks
  * for whole rows g VL / G .. (g + 1) VL / G - 1 of the block's values and of the keys PREFETCH
  * ahead) instead of all at its start, and the P.V pass asks for the next chunk's keys only (its
  * values come in its own score pass): each of the pass's column blocks takes its own run of rows,
@@ -77,6 +80,9 @@
         for (int64_t d_ = 0; d_ < (D); d_ += 16)                                               \
             __builtin_prefetch((base) + t_ * (row_stride) + d_, 0, hint)
 
+#if FA_ONE_PASS
+#include "native_f32_attn_avx2.h"
+#else
 /* The chunk's scores times its value rows for queries g0 .. g0 + gb - 1 and vectors c0 .. c0 +
  * db - 1 of the row: gb * db accumulators that stay in registers (db, gb: compile-time). The
  * first block also prefetches the next chunk's first `ahead` key and value rows into L2, one of
@@ -182,20 +188,6 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
             s[g][j] = exp2f(s[g][j] - mx);
             sum += s[g][j];
         }
-#elif FA_V8_EXP2
-        const __m256 m = _mm256_set1_ps(mx);
-        __m256 tot = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j < full; j += 8) {
-            const __m256 e = v8_exp2(_mm256_sub_ps(_mm256_load_ps(s[g] + j), m));
-            _mm256_store_ps(s[g] + j, e);
-            tot = _mm256_add_ps(tot, e);
-        }
-        sum = hsum8((v8)tot);
-        for (; j < n; j++) {
-            s[g][j] = exp2f(s[g][j] - mx);
-            sum += s[g][j];
-        }
 #else
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; j++) {
@@ -240,6 +232,7 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
         c0 += db;
     }
 }
+#endif
 
 struct attn_job {
     const float *q;

@@ -1,0 +1,144 @@
+/* attn_chunk on AVX2 builds: a chunk of decode attention in one pass (native_f32_attn.h includes
+ * this in place of its three-pass attn_chunk when FA_ONE_PASS).
+ *
+ * For each block of VL keys: the G queries' scores (VL keys at a time in L1, one transposing
+ * reduction, as the three-pass kernel), each query's running maximum (a new maximum rescales its
+ * sum and accumulators: online softmax), the block's probabilities by v8_exp2 in log2 units, then
+ * the block's value rows times them into accumulators kept per query in L1, FA_ACC of them in
+ * registers at a time (pv_rows, specialised by shape). While query g scores a block it asks for
+ * its share of the key and value rows FA_AHEAD rows ahead, so both streams are asked for in
+ * order, row by row, at the pace the chunk computes.
+ *
+ * Why one pass: the three passes streamed the values in the score pass and the next chunk's keys
+ * in the P.V pass, each a stream of its own at a time, and left memory idle in the softmax pass;
+ * out of cache a chunk took ~1.5x what plain loads of its 128 KB took (C harness, KV out of cache,
+ * 2 threads, AMD EPYC Zen 2, bench shapes). In one pass, with more arithmetic per key (the
+ * accumulators' loads and stores per block: 52 against 44 cycles a key with the data in L1), one
+ * call took 0.80-0.82x of the three-pass kernel's at 1 x 1k, 1 x 4k, 4 x 2k, 1 x 8k and 8 x 8k, and
+ * 0.76-0.81x at 8 x 4k (session 54, builds alternated in one process).
+ *
+ * FA_AHEAD 12: 10, 12, 14 and 20 rows ahead gave 0.79-0.84x, 8, 16 and 24 rows (whole blocks
+ * ahead) 0.87-0.95x, 4 rows 0.85x; value rows asked for during the block's P.V part instead of its
+ * scores, or blocks of 16 keys (half the accumulator traffic, 41 cycles a key in L1): slower out
+ * of cache (0.94x, 1.02x of this). */
+#define FA_AHEAD 12
+
+static inline float fa_hmax8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 1));
+    x = _mm256_max_ps(x, _mm256_permute_ps(x, 0x4e));
+    x = _mm256_max_ps(x, _mm256_permute_ps(x, 0xb1));
+    return _mm256_cvtss_f32(x);
+}
+
+/* acc[g0 .. g0 + gb - 1][c0 .. c0 + db - 1 vectors] += p[g][t] * value row t, for the block's nb
+ * rows: gb * db accumulators in registers (db, gb: compile-time) */
+static inline __attribute__((always_inline)) void
+pv_rows(const float p[][VL], const float *vb, int64_t row_stride, int64_t nb, int64_t g0,
+        int64_t c0, const int db, const int gb, float *acc, int64_t D) {
+    vf a[4][3];
+    for (int g = 0; g < gb; g++)
+        for (int c = 0; c < db; c++) a[g][c] = loadv(acc + (g0 + g) * D + (c0 + c) * VL);
+    for (int64_t t = 0; t < nb; t++) {
+        vf vv[3];
+        for (int c = 0; c < db; c++) vv[c] = loadv(vb + t * row_stride + (c0 + c) * VL);
+        /* the row's vectors in registers: left to itself the compiler read them from L1 once
+         * per query (16 loads a row for 12 FMAs, load-bound) */
+        if (db == 3) __asm__("" : "+x"(vv[0]), "+x"(vv[1]), "+x"(vv[2]));
+        for (int g = 0; g < gb; g++) {
+            const float pt = p[g0 + g][t];
+            for (int c = 0; c < db; c++) a[g][c] += vv[c] * pt;
+        }
+    }
+    for (int g = 0; g < gb; g++)
+        for (int c = 0; c < db; c++) *(vf *)(acc + (g0 + g) * D + (c0 + c) * VL) = a[g][c];
+}
+
+/* One chunk of keys [j0, j1) for the G queries of one KV head: per query, its maximum score (log2
+ * units), the sum of exp2(score - max) and the unnormalised sum of exp-weighted value rows, as the
+ * three-pass attn_chunk writes them. `ahead`: the rows of the head after j1 (to prefetch). */
+static void attn_chunk(const float *q, const float *k, const float *v, int64_t row_stride,
+                       int64_t j0, int64_t j1, int64_t G, int64_t D, float scale, float *part,
+                       int64_t ahead) {
+    float acc[MAX_G * MAX_D] __attribute__((aligned(32)));
+    float p[MAX_G][VL] __attribute__((aligned(32)));
+    float m[MAX_G];
+    __m256 sums[MAX_G];
+    const int64_t n = j1 - j0, nv = D / VL, reach = n + ahead;
+    const float *kc = k + j0 * row_stride, *vc = v + j0 * row_stride;
+    const float sc = scale * FA_LOG2E;
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    for (int64_t g = 0; g < G; g++) m[g] = -FLT_MAX, sums[g] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += VL) {
+        const int64_t nb = n - j < VL ? n - j : VL;
+        const float *kb = kc + j * row_stride, *vb = vc + j * row_stride;
+        for (int64_t g = 0; g < G; g++) {
+            for (int64_t t = g * VL / G; t < (g + 1) * VL / G; t++)
+                if (j + FA_AHEAD + t < reach) {
+                    prefetch_rows(kb + (FA_AHEAD + t) * row_stride, row_stride, D, 1, KHINT);
+                    prefetch_rows(vb + (FA_AHEAD + t) * row_stride, row_stride, D, 1, VHINT);
+                }
+            const float *qg = q + g * D;
+            vf s;
+            if (nb == VL) {
+                vf a[VL] = {{0}};
+                for (int64_t c = 0; c < nv; c++) {
+                    const vf qv = loadv(qg + c * VL);
+                    for (int t = 0; t < VL; t++) a[t] += qv * loadv(kb + t * row_stride + c * VL);
+                }
+                s = reducev(a) * sc;
+            } else { /* the chunk's last keys: past them -FLT_MAX, their weights masked to 0 */
+                for (int t = 0; t < VL; t++) {
+                    float d = -FLT_MAX;
+                    if (t < nb) {
+                        vf a = {0};
+                        for (int64_t c = 0; c < nv; c++)
+                            a += loadv(qg + c * VL) * loadv(kb + t * row_stride + c * VL);
+                        d = hsumv(a) * sc;
+                    }
+                    s[t] = d;
+                }
+            }
+            const float bm = fa_hmax8((__m256)s);
+            if (bm > m[g]) { /* the first block: exp2(-FLT_MAX - bm) = 0, nothing to keep */
+                const float corr = exp2f(m[g] - bm);
+                sums[g] = _mm256_mul_ps(sums[g], _mm256_set1_ps(corr));
+                for (int64_t c = 0; c < nv; c++) *(vf *)(acc + g * D + c * VL) *= corr;
+                m[g] = bm;
+            }
+            __m256 e = v8_exp2(_mm256_sub_ps((__m256)s, _mm256_set1_ps(m[g])));
+            if (nb < VL)
+                e = _mm256_and_ps(e, _mm256_cmp_ps(lane, _mm256_set1_ps((float)nb), _CMP_LT_OQ));
+            _mm256_store_ps(p[g], e);
+            sums[g] = _mm256_add_ps(sums[g], e);
+        }
+        for (int64_t c0 = 0; c0 < nv;) { /* three vectors of the row at a time, as pv_block */
+            const int db = nv - c0 >= 3 ? 3 : nv - c0 >= 2 ? 2 : 1;
+            for (int64_t g0 = 0; g0 < G;) {
+                const int left = (int)(G - g0);
+                const int gb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+#define PV(DB, GB) pv_rows(p, vb, row_stride, nb, g0, c0, DB, GB, acc, D)
+                switch (db * 8 + gb) { /* constant shapes, so the accumulators stay in registers */
+                case 3 * 8 + 4: PV(3, 4); break;
+                case 3 * 8 + 2: PV(3, 2); break;
+                case 3 * 8 + 1: PV(3, 1); break;
+                case 2 * 8 + 4: PV(2, 4); break;
+                case 2 * 8 + 2: PV(2, 2); break;
+                case 2 * 8 + 1: PV(2, 1); break;
+                case 1 * 8 + 4: PV(1, 4); break;
+                case 1 * 8 + 2: PV(1, 2); break;
+                default: PV(1, 1); break;
+                }
+#undef PV
+                g0 += gb;
+            }
+            c0 += db;
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *pg = part + g * (D + 2);
+        pg[0] = m[g];
+        pg[1] = hsum8((v8)sums[g]);
+        memcpy(pg + 2, acc + g * D, (size_t)D * sizeof(float));
+    }
+}
