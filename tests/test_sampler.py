@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from duplexkv.engine.sampler import nucleus, race, sample_row
+from duplexkv.engine.sampler import greedy, nucleus, race, sample_row
 from duplexkv.wire.sampling import SamplingParams
 
 
@@ -40,6 +40,22 @@ def assert_close(freq: torch.Tensor, expected: torch.Tensor, n: int) -> None:
             assert f == 0, f"token {tok} of probability 0 drawn ({f:.4f})"
         else:  # five standard deviations of a binomial count: a seeded run, so never flaky
             assert abs(f - e) <= 5 * math.sqrt(e * (1 - e) / n) + 1e-9, (tok, f, e)
+
+
+@torch.inference_mode()
+def test_greedy_picks_what_torch_argmax_picks():
+    # ties: the first index; a NaN counts as the largest (its first); banned tokens at -inf;
+    # a strided row and a bfloat16 one take the same answer
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 32000, generator=g)
+    rows[1, 7] = rows[1, 9] = float("nan")
+    rows[2] = float("-inf")
+    rows[2, 5] = rows[2, 6] = 3.0
+    rows[3] = 1.0
+    rows[4, 100:] = rows[4, :100].max() + 1
+    for r in [*rows, rows[:, 3], rows[5].bfloat16()]:
+        assert greedy(r) == int(r.argmax())
+    assert sample_row(rows[2].clone(), SamplingParams(temperature=0), None) == 5
 
 
 def test_race_draws_each_entry_with_its_share():

@@ -60,6 +60,15 @@ def sample_token(row: torch.Tensor, p: SamplingParams, banned: list[int], prompt
     return sample_row(row, p, generator)
 
 
+def greedy(row: torch.Tensor) -> int:
+    """The most probable token: the first index of the row's largest value (a NaN counts as the
+    largest, as in torch.argmax). numpy's argmax took 7 us for a 32000-float row where torch's took
+    47 (one call per sampled row each step; AMD EPYC Zen 2, 2 threads, OMP_WAIT_POLICY=PASSIVE)."""
+    if row.dtype == torch.float32 and row.dim() == 1:
+        return int(row.numpy().argmax())
+    return int(row.argmax().item())
+
+
 # how many of the most probable tokens a top-p nucleus is looked for among, in turn, before the
 # whole vocabulary is sorted: Qwen's 151,936 probabilities took 12-35 ms to sort, their top 256
 # 0.3 ms, top 4,096 1.0 ms, top 32,768 ~2 ms (AMD EPYC Zen 4, 2 threads)
@@ -70,7 +79,7 @@ NUCLEUS_CANDIDATES = (256, 4096, 32768)
 def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from one processed row of logits [V] (float32)."""
     if p.greedy:
-        return int(row.argmax().item())
+        return greedy(row)
     row = row / p.temperature
     if p.top_k > 0 and p.top_k < row.shape[-1]:
         kth = torch.topk(row, p.top_k).values[-1]
