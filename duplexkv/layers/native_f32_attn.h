@@ -51,24 +51,6 @@
 #define FA_ONE_PASS 0
 #endif
 
-/* SPREAD (the three-pass kernel on 8-float builds; measured on AVX2 before the one-pass kernel
- * took its place there): a block's prefetches are dealt over its queries in the score pass (query g asks
- * for whole rows g VL / G .. (g + 1) VL / G - 1 of the block's values and of the keys PREFETCH
- * ahead) instead of all at its start, and the P.V pass asks for the next chunk's keys only (its
- * values come in its own score pass): each of the pass's column blocks takes its own run of rows,
- * a whole row every `blocks` rows it reads, so the rows are asked for in order. Bursts of 64
- * prefetches left memory idle while the chunk computed: one call, KV out of cache, 2 threads (AMD
- * EPYC Zen 2, bench shapes) went 0.27 -> 0.21 ms at 4k x 1, 0.54 -> 0.39 at 8k x 1, 1.9 -> 1.6 at
- * 4k x 8 (session 53, a line per (query, vector) step and each row's lines dealt over the column
- * blocks); asking for whole rows in order, 0.90-0.93x of that at 4k x 1 and 8k x 1, 0.87-0.89x
- * at 4k x 8 (session 54). AVX-512 builds keep the bursts (tuned on Zen 4 and the AMX Xeon;
- * spreading not measured there). */
-#if VL == 16
-#define SPREAD 0
-#else
-#define SPREAD 1
-#endif
-
 /* key rows ahead and the chunk's value rows, both into L2 (locality 2): L1 hints for the values
  * were 8 % slower (bench model, 8 x 4k, AMX Xeon); for the keys, 16 rows ahead into L2 instead of
  * 32 into L1 made a call 0.87-0.92x at 8 x 4k and 8 x 8k, 0.94-0.98x at 1 x 4k-8k (AMD Zen 4, 2
@@ -94,28 +76,13 @@ pv_block(float s[][CHUNK], const float *vc, int64_t row_stride, int64_t n, int64
          int64_t c0, const int db, const int gb, float *part, int64_t D, const float *next_k,
          const float *next_v, int64_t ahead) {
     vf acc[4][4] = {{{0}}};
-#if SPREAD /* this column block's run of the next chunk's key rows (blocks of 3 vectors but the
-            * last), a row every `blocks` rows read */
-    const int64_t blocks = (D / VL + 2) / 3, share = (ahead + blocks - 1) / blocks;
-    int64_t ask = (c0 / 3) * share, tick = 0;
-    const int64_t ask_end = g0 ? 0 : ask + share < ahead ? ask + share : ahead;
-    (void)next_v;
-#else
     if (c0 || g0) ahead = 0;
-#endif
     for (int64_t j = 0; j < n; j++) {
         const float *vj = vc + j * row_stride + c0 * VL;
-#if SPREAD
-        if (ask < ask_end && tick-- == 0) {
-            prefetch_rows(next_k + ask * row_stride, row_stride, D, 1, VHINT);
-            ask++, tick = blocks - 1;
-        }
-#else
         if (j < ahead) {
             prefetch_rows(next_k + j * row_stride, row_stride, D, 1, VHINT);
             prefetch_rows(next_v + j * row_stride, row_stride, D, 1, VHINT);
         }
-#endif
         vf vv[4];
         for (int c = 0; c < db; c++) vv[c] = loadv(vj + c * VL);
         for (int g = 0; g < gb; g++) {
@@ -140,21 +107,17 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
     const float *kc = k + j0 * row_stride, *vc = v + j0 * row_stride;
     const float sc = scale * FA_LOG2E;
     for (int64_t j = 0; j < full; j += VL) {
-        const int keys_ahead = j + PREFETCH + VL <= n;
-#if !SPREAD
-        if (keys_ahead) prefetch_rows(kc + (j + PREFETCH) * row_stride, row_stride, D, VL, KHINT);
+        if (j + PREFETCH + VL <= n)
+            prefetch_rows(kc + (j + PREFETCH) * row_stride, row_stride, D, VL, KHINT);
+#if VL == 16 /* not on 8-float builds: on AVX2, before the one-pass kernel, the P.V pass's
+             * prefetch of the next chunk and the hardware's brought the values, and without this
+             * a call ran 0.85-0.97x (AMD EPYC Zen 2, 2 threads, bench shapes, KV out of cache,
+             * 4k x 1, 4k x 8, 8k x 1; with FA_ACC 12) */
         prefetch_rows(vc + j * row_stride, row_stride, D, VL, VHINT); /* for the P.V pass */
 #endif
         for (int64_t g = 0; g < G; g++) {
             const float *qg = q + g * D;
             vf acc[VL] = {{0}};
-#if SPREAD /* this query's share of the block's rows */
-            for (int64_t t = g * VL / G; t < (g + 1) * VL / G; t++) {
-                if (keys_ahead)
-                    prefetch_rows(kc + (j + PREFETCH + t) * row_stride, row_stride, D, 1, KHINT);
-                prefetch_rows(vc + (j + t) * row_stride, row_stride, D, 1, VHINT);
-            }
-#endif
             for (int64_t c = 0; c < nv; c++) {
                 const vf qv = loadv(qg + c * VL);
                 for (int t = 0; t < VL; t++)
