@@ -62,6 +62,24 @@
         for (int64_t d_ = 0; d_ < (D); d_ += 16)                                               \
             __builtin_prefetch((base) + t_ * (row_stride) + d_, 0, hint)
 
+/* CALL(DB, GB) for the runtime (db, gb) with compile-time shapes, so the P.V accumulators stay in
+ * registers (db: vectors of a value row, 1-4; gb: queries, 1, 2 or 4) */
+#define FA_SHAPES(db, gb, CALL)                                                                \
+    switch ((db) * 8 + (gb)) {                                                                 \
+    case 4 * 8 + 4: CALL(4, 4); break;                                                         \
+    case 4 * 8 + 2: CALL(4, 2); break;                                                         \
+    case 4 * 8 + 1: CALL(4, 1); break;                                                         \
+    case 3 * 8 + 4: CALL(3, 4); break;                                                         \
+    case 3 * 8 + 2: CALL(3, 2); break;                                                         \
+    case 3 * 8 + 1: CALL(3, 1); break;                                                         \
+    case 2 * 8 + 4: CALL(2, 4); break;                                                         \
+    case 2 * 8 + 2: CALL(2, 2); break;                                                         \
+    case 2 * 8 + 1: CALL(2, 1); break;                                                         \
+    case 1 * 8 + 4: CALL(1, 4); break;                                                         \
+    case 1 * 8 + 2: CALL(1, 2); break;                                                         \
+    default: CALL(1, 1); break;                                                                \
+    }
+
 #if FA_ONE_PASS
 #include "native_f32_attn_avx2.h"
 #else
@@ -175,20 +193,7 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
                                                            : 1;
             const float *kn = kc + n * row_stride, *vn = vc + n * row_stride;
 #define PV(DB, GB) pv_block(s, vc, row_stride, n, g0, c0, DB, GB, part, D, kn, vn, ahead)
-            switch (db * 8 + gb) { /* constant shapes, so the accumulators stay in registers */
-            case 4 * 8 + 4: PV(4, 4); break;
-            case 4 * 8 + 2: PV(4, 2); break;
-            case 4 * 8 + 1: PV(4, 1); break;
-            case 3 * 8 + 4: PV(3, 4); break;
-            case 3 * 8 + 2: PV(3, 2); break;
-            case 3 * 8 + 1: PV(3, 1); break;
-            case 2 * 8 + 4: PV(2, 4); break;
-            case 2 * 8 + 2: PV(2, 2); break;
-            case 2 * 8 + 1: PV(2, 1); break;
-            case 1 * 8 + 4: PV(1, 4); break;
-            case 1 * 8 + 2: PV(1, 2); break;
-            default: PV(1, 1); break;
-            }
+            FA_SHAPES(db, gb, PV)
 #undef PV
             g0 += gb;
         }

@@ -31,15 +31,15 @@ static inline float fa_hmax8(__m256 x) {
 }
 
 /* acc[g0 .. g0 + gb - 1][c0 .. c0 + db - 1 vectors] += p[g][t] * value row t, for the block's nb
- * rows: gb * db accumulators in registers (db, gb: compile-time) */
+ * rows: gb * db accumulators in registers (db, gb: compile-time; FA_SHAPES) */
 static inline __attribute__((always_inline)) void
 pv_rows(const float p[][VL], const float *vb, int64_t row_stride, int64_t nb, int64_t g0,
         int64_t c0, const int db, const int gb, float *acc, int64_t D) {
-    vf a[4][3];
+    vf a[4][4];
     for (int g = 0; g < gb; g++)
         for (int c = 0; c < db; c++) a[g][c] = loadv(acc + (g0 + g) * D + (c0 + c) * VL);
     for (int64_t t = 0; t < nb; t++) {
-        vf vv[3];
+        vf vv[4];
         for (int c = 0; c < db; c++) vv[c] = loadv(vb + t * row_stride + (c0 + c) * VL);
         /* the row's vectors in registers: left to itself the compiler read them from L1 once
          * per query (16 loads a row for 12 FMAs, load-bound) */
@@ -118,17 +118,7 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
                 const int left = (int)(G - g0);
                 const int gb = left >= 4 ? 4 : left >= 2 ? 2 : 1;
 #define PV(DB, GB) pv_rows(p, vb, row_stride, nb, g0, c0, DB, GB, acc, D)
-                switch (db * 8 + gb) { /* constant shapes, so the accumulators stay in registers */
-                case 3 * 8 + 4: PV(3, 4); break;
-                case 3 * 8 + 2: PV(3, 2); break;
-                case 3 * 8 + 1: PV(3, 1); break;
-                case 2 * 8 + 4: PV(2, 4); break;
-                case 2 * 8 + 2: PV(2, 2); break;
-                case 2 * 8 + 1: PV(2, 1); break;
-                case 1 * 8 + 4: PV(1, 4); break;
-                case 1 * 8 + 2: PV(1, 2); break;
-                default: PV(1, 1); break;
-                }
+                FA_SHAPES(db, gb, PV) /* db <= 3 here: the 4-vector shapes are never taken */
 #undef PV
                 g0 += gb;
             }
