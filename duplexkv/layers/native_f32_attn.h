@@ -33,6 +33,7 @@
 #define FA_ACC 16 /* P.V accumulators kept in registers (of 32) */
 #define FA_LOG2E 1.4426950408889634f
 #define FA_EXP_SCALAR exp2f
+#define FA_ONE_PASS 0
 #else
 /* of 16: 3 vectors of a value row x 4 queries (8 accumulators were bound by the FMA latency,
  * not by the loads) */
@@ -46,9 +47,6 @@
 #define FA_LOG2E 1.0f
 #define FA_EXP_SCALAR expf
 #endif
-#endif
-#ifndef FA_ONE_PASS
-#define FA_ONE_PASS 0
 #endif
 
 /* key rows ahead and the chunk's value rows, both into L2 (locality 2): L1 hints for the values

@@ -13,22 +13,15 @@
  * in the P.V pass, each a stream of its own at a time, and left memory idle in the softmax pass;
  * out of cache a chunk took ~1.5x what plain loads of its 128 KB took (C harness, KV out of cache,
  * 2 threads, AMD EPYC Zen 2, bench shapes). In one pass, with more arithmetic per key (the
- * accumulators' loads and stores per block: 52 against 44 cycles a key with the data in L1), one
+ * accumulators' loads and stores per block: 52 against 44 TSC ticks a key with the data in L1), one
  * call took 0.80-0.82x of the three-pass kernel's at 1 x 1k, 1 x 4k, 4 x 2k, 1 x 8k and 8 x 8k, and
  * 0.76-0.81x at 8 x 4k (session 54, builds alternated in one process).
  *
  * FA_AHEAD 12: 10, 12, 14 and 20 rows ahead gave 0.79-0.84x, 8, 16 and 24 rows (whole blocks
  * ahead) 0.87-0.95x, 4 rows 0.85x; value rows asked for during the block's P.V part instead of its
- * scores, or blocks of 16 keys (half the accumulator traffic, 41 cycles a key in L1): slower out
+ * scores, or blocks of 16 keys (half the accumulator traffic, 41 ticks a key in L1): slower out
  * of cache (0.94x, 1.02x of this). */
 #define FA_AHEAD 12
-
-static inline float fa_hmax8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 1));
-    x = _mm256_max_ps(x, _mm256_permute_ps(x, 0x4e));
-    x = _mm256_max_ps(x, _mm256_permute_ps(x, 0xb1));
-    return _mm256_cvtss_f32(x);
-}
 
 /* acc[g0 .. g0 + gb - 1][c0 .. c0 + db - 1 vectors] += p[g][t] * value row t, for the block's nb
  * rows: gb * db accumulators in registers (db, gb: compile-time; FA_SHAPES) */
@@ -99,7 +92,7 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
                     s[t] = d;
                 }
             }
-            const float bm = fa_hmax8((__m256)s);
+            const float bm = v8_hmax((__m256)s);
             if (bm > m[g]) { /* the first block: exp2(-FLT_MAX - bm) = 0, nothing to keep */
                 const float corr = exp2f(m[g] - bm);
                 sums[g] = _mm256_mul_ps(sums[g], _mm256_set1_ps(corr));
