@@ -78,6 +78,25 @@
     default: CALL(1, 1); break;                                                                \
     }
 
+/* query qg's scores (times sc) against the VL key rows from kb: VL keys at a time in L1, their
+ * dot products summed across lanes by one transposing reduction */
+static inline vf block_scores(const float *qg, const float *kb, int64_t row_stride, int64_t nv,
+                              float sc) {
+    vf acc[VL] = {{0}};
+    for (int64_t c = 0; c < nv; c++) {
+        const vf qv = loadv(qg + c * VL);
+        for (int t = 0; t < VL; t++) acc[t] += qv * loadv(kb + t * row_stride + c * VL);
+    }
+    return reducev(acc) * sc;
+}
+
+/* query qg's score (times sc) against one key row kr */
+static inline float key_score(const float *qg, const float *kr, int64_t nv, float sc) {
+    vf acc = {0};
+    for (int64_t c = 0; c < nv; c++) acc += loadv(qg + c * VL) * loadv(kr + c * VL);
+    return hsumv(acc) * sc;
+}
+
 #if FA_ONE_PASS
 #include "native_f32_attn_avx2.h"
 #else
@@ -131,26 +150,13 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
              * 4k x 1, 4k x 8, 8k x 1; with FA_ACC 12) */
         prefetch_rows(vc + j * row_stride, row_stride, D, VL, VHINT); /* for the P.V pass */
 #endif
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = q + g * D;
-            vf acc[VL] = {{0}};
-            for (int64_t c = 0; c < nv; c++) {
-                const vf qv = loadv(qg + c * VL);
-                for (int t = 0; t < VL; t++)
-                    acc[t] += qv * loadv(kc + (j + t) * row_stride + c * VL);
-            }
-            *(vf *)(s[g] + j) = reducev(acc) * sc;
-        }
+        for (int64_t g = 0; g < G; g++)
+            *(vf *)(s[g] + j) = block_scores(q + g * D, kc + j * row_stride, row_stride, nv, sc);
     }
     if (full < n) prefetch_rows(vc + full * row_stride, row_stride, D, n - full, VHINT);
     for (int64_t g = 0; g < G; g++) {
         const float *qg = q + g * D;
-        for (int64_t j = full; j < n; j++) {
-            vf acc = {0};
-            for (int64_t c = 0; c < nv; c++)
-                acc += loadv(qg + c * VL) * loadv(kc + j * row_stride + c * VL);
-            s[g][j] = hsumv(acc) * sc;
-        }
+        for (int64_t j = full; j < n; j++) s[g][j] = key_score(qg, kc + j * row_stride, nv, sc);
         float mx = -FLT_MAX, sum = 0.0f;
         for (int64_t j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
 #if VL == 16

@@ -73,25 +73,11 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
                 }
             const float *qg = q + g * D;
             vf s;
-            if (nb == VL) {
-                vf a[VL] = {{0}};
-                for (int64_t c = 0; c < nv; c++) {
-                    const vf qv = loadv(qg + c * VL);
-                    for (int t = 0; t < VL; t++) a[t] += qv * loadv(kb + t * row_stride + c * VL);
-                }
-                s = reducev(a) * sc;
-            } else { /* the chunk's last keys: past them -FLT_MAX, their weights masked to 0 */
-                for (int t = 0; t < VL; t++) {
-                    float d = -FLT_MAX;
-                    if (t < nb) {
-                        vf a = {0};
-                        for (int64_t c = 0; c < nv; c++)
-                            a += loadv(qg + c * VL) * loadv(kb + t * row_stride + c * VL);
-                        d = hsumv(a) * sc;
-                    }
-                    s[t] = d;
-                }
-            }
+            if (nb == VL)
+                s = block_scores(qg, kb, row_stride, nv, sc);
+            else /* the chunk's last keys: past them -FLT_MAX, their weights masked to 0 */
+                for (int t = 0; t < VL; t++)
+                    s[t] = t < nb ? key_score(qg, kb + t * row_stride, nv, sc) : -FLT_MAX;
             const float bm = v8_hmax((__m256)s);
             if (bm > m[g]) { /* the first block: exp2(-FLT_MAX - bm) = 0, nothing to keep */
                 const float corr = exp2f(m[g] - bm);
