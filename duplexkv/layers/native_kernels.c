@@ -176,7 +176,16 @@ linear_tile(const float *x, const float *const w[4], float *y, int64_t rows, int
  * pages), alternated in random order, as a share of a 1 GiB sum in the same round (fast memory
  * spells / slow): 1 row of x 16 rows ahead with two grains per thread 0.74 / 1.02, 2 ahead with
  * one grain 0.92 / 1.07; 8 rows of x (pairs) 16 ahead 0.58 / 0.95, 4 ahead 0.61 / 1.00 */
+#if VL == 16
 #define ROW_AHEAD 2  /* linear_row: two rows (4 KB at K 512) */
+#else
+/* AVX2 builds: none. AMD EPYC Zen 2, 2 threads, float32, a decode step's weights at 1 row (bench
+ * shapes, huge pages, caches flushed, builds interleaved): without the prefetch 0.89-0.92x the
+ * time (24.8 -> 27.9 GB/s; the 8 layers 0.95x, the LM head 0.89x); prefetching only the first
+ * rows of a thread's run 0.90x; 4 and 8 rows ahead 1.00 / 0.99x. The few-row tiles below still
+ * need theirs (without: 1.13x at 2 rows, 1.31x at 4, 1.57x at 8). */
+#define ROW_AHEAD 0
+#endif
 #define PAIR_AHEAD 4 /* linear_pairs: the pair after next */
 #define TILE_AHEAD 4 /* linear_blocks: the next block of four */
 /* LIN_SPREAD (AVX2): every tile of a block asks for its share of the next block, not the first
@@ -193,14 +202,14 @@ linear_tile(const float *x, const float *const w[4], float *y, int64_t rows, int
 /* one row of x against the weight rows [n0, n1), one weight row after another: a thread reads
  * its rows as one sequential stream (four interleaved row streams, as the blocks below read them,
  * stalled the hardware prefetcher on long runs: a 1 GiB weight read at 36 GB/s against 46 for
- * the sequential stream, AMD Zen 4), the row ROW_AHEAD ahead prefetched into L2; four
+ * the sequential stream, AMD Zen 4), the row ROW_AHEAD ahead prefetched into L2 (if any); four
  * accumulators. Not inlined into linear_blocks: inlined beside the AVX2 3-row tiles, a step's
  * weights at 1 row read 3-6 % slower (code placement; AMD EPYC Zen 2) */
 static __attribute__((noinline)) void linear_row(const float *x, const float *w, float *y,
                                                 int64_t n0, int64_t n1, int64_t K) {
     for (int64_t n = n0; n < n1; n++) {
         const float *r = w + n * K;
-        const float *pf = n + ROW_AHEAD < n1 ? r + ROW_AHEAD * K : NULL;
+        const float *pf = ROW_AHEAD && n + ROW_AHEAD < n1 ? r + ROW_AHEAD * K : NULL;
         vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         int64_t k = 0;
         for (; k + 4 * VL <= K; k += 4 * VL) {
