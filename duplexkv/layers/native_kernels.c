@@ -50,9 +50,13 @@ static inline float hsum8(v8 a) {
 #define LIN_MR 4 /* rows of x per weight block in dkv_linear: 4 x 4 accumulators of 32 registers */
 #else
 #define VL 8
-/* 3 x 4 of 16 (the fourth weight vector's register is the last free one; x is read from memory):
- * 12 chains cover the FMA latency where 2 x 4's 8 did not (with LIN_SPREAD, a decode step's
- * weights at 8-16 rows 0.91-0.93x the time of 2 x 4 tiles, 2-4 rows the same; AMD EPYC Zen 2) */
+/* 3 x 4 of 16 (x's three rows in registers, each weight vector passing through the last free
+ * one): 12 chains cover the FMA latency where 2 x 4's 8 did not (with LIN_SPREAD, a decode step's
+ * weights at 8-16 rows 0.91-0.93x the time of 2 x 4 tiles, 2-4 rows the same; AMD EPYC Zen 2).
+ * Holding x rather than the weights (session 55): one tile's k-step loads 7 vectors, not 16; a
+ * block in L1 at 8 rows 1.18 -> 1.65 FMAs a cycle; a decode step's weights from memory (bench
+ * shapes, 2 threads, huge pages, builds interleaved) at 8 rows 0.92x the time, 16 rows 0.84x,
+ * 4 rows 0.98x, 2 rows the same; same sums (each accumulator's FMAs in the same order) */
 #define LIN_MR 3
 #endif
 typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
@@ -150,12 +154,28 @@ linear_tile(const float *x, const float *const w[4], float *y, int64_t rows, int
     for (int64_t k = 0; k < K; k += VL) {
         if (pf) /* a test outside the loop: the tiles without a share keep a clean loop */
             for (; asked * K < (k + VL) * pf_len; asked += 16) __builtin_prefetch(pf + asked, 0, 2);
+#if VL == 8 && defined(__AVX2__)
+        /* the tile's rows of x held in registers and each weight vector loaded once into the last
+         * free one (the empty asm keeps GCC from folding the loads into the FMAs: it re-read x
+         * from L1 for every weight row, 16 loads for 12 FMAs, the load ports the limit) */
+        vf xv[LIN_MR];
+        for (int r = 0; r < mr; r++) {
+            xv[r] = loadv(x + r * K + k);
+            __asm__("" : "+x"(xv[r]));
+        }
+        for (int i = 0; i < 4; i++) {
+            vf u = loadv(w[i] + k);
+            __asm__("" : "+x"(u));
+            for (int r = 0; r < mr; r++) acc[r][i] += u * xv[r];
+        }
+#else
         const vf u0 = loadv(w[0] + k), u1 = loadv(w[1] + k), u2 = loadv(w[2] + k),
                  u3 = loadv(w[3] + k);
         for (int r = 0; r < mr; r++) {
             const vf xv = loadv(x + r * K + k);
             acc[r][0] += u0 * xv, acc[r][1] += u1 * xv, acc[r][2] += u2 * xv, acc[r][3] += u3 * xv;
         }
+#endif
     }
     if (mr * 4 == VL) { /* one transposing reduction for the whole tile */
         const vf sums = reducev((const vf *)acc);
