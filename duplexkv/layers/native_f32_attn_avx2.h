@@ -38,9 +38,7 @@ pv_rows(const float p[][VL], const float *vb, int64_t row_stride, int64_t nb, in
          * per query (16 loads a row for 12 FMAs, load-bound; at db 2, the last two vectors of a
          * 64-float row, 8 for 8: pinned too since session 55, a call 0.95-0.99x at 8 x 4k and
          * 8 x 8k, 0.97x at 1 x 4k) */
-        if (db == 3) __asm__("" : "+x"(vv[0]), "+x"(vv[1]), "+x"(vv[2]));
-        else if (db == 2) __asm__("" : "+x"(vv[0]), "+x"(vv[1]));
-        else if (db == 1) __asm__("" : "+x"(vv[0]));
+        for (int c = 0; c < db; c++) V8_PIN(vv[c]);
         for (int g = 0; g < gb; g++) {
             const float pt = p[g0 + g][t];
             for (int c = 0; c < db; c++) a[g][c] += vv[c] * pt;

@@ -154,18 +154,18 @@ linear_tile(const float *x, const float *const w[4], float *y, int64_t rows, int
     for (int64_t k = 0; k < K; k += VL) {
         if (pf) /* a test outside the loop: the tiles without a share keep a clean loop */
             for (; asked * K < (k + VL) * pf_len; asked += 16) __builtin_prefetch(pf + asked, 0, 2);
-#if VL == 8 && defined(__AVX2__)
+#ifdef V8_PIN /* AVX2 builds */
         /* the tile's rows of x held in registers and each weight vector loaded once into the last
-         * free one (the empty asm keeps GCC from folding the loads into the FMAs: it re-read x
-         * from L1 for every weight row, 16 loads for 12 FMAs, the load ports the limit) */
+         * free one (unpinned, GCC folded the loads into the FMAs: it re-read x from L1 for every
+         * weight row, 16 loads for 12 FMAs, the load ports the limit) */
         vf xv[LIN_MR];
         for (int r = 0; r < mr; r++) {
             xv[r] = loadv(x + r * K + k);
-            __asm__("" : "+x"(xv[r]));
+            V8_PIN(xv[r]);
         }
         for (int i = 0; i < 4; i++) {
             vf u = loadv(w[i] + k);
-            __asm__("" : "+x"(u));
+            V8_PIN(u);
             for (int r = 0; r < mr; r++) acc[r][i] += u * xv[r];
         }
 #else
@@ -196,7 +196,7 @@ linear_tile(const float *x, const float *const w[4], float *y, int64_t rows, int
  * pages), alternated in random order, as a share of a 1 GiB sum in the same round (fast memory
  * spells / slow): 1 row of x 16 rows ahead with two grains per thread 0.74 / 1.02, 2 ahead with
  * one grain 0.92 / 1.07; 8 rows of x (pairs) 16 ahead 0.58 / 0.95, 4 ahead 0.61 / 1.00 */
-#if VL == 16
+#if VL == 16 || !defined(__AVX2__)
 #define ROW_AHEAD 2  /* linear_row: two rows (4 KB at K 512) */
 #else
 /* AVX2 builds: none. AMD EPYC Zen 2, 2 threads, float32, a decode step's weights at 1 row (bench

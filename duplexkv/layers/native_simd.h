@@ -130,6 +130,12 @@ static inline void bf16_pair_store(uint16_t *y, int64_t m0, int64_t rows, int64_
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 /* The AVX2 builds' helpers (native_f32_prefill.h's 8-float tiles). */
 
+/* v stays in a register from here on: the empty asm hides where its value came from, so the
+ * compiler cannot fold its later uses back into memory operands (with the 16 registers short, GCC
+ * re-read a vector from L1 for every FMA that used it: the few-row linear's x, the value rows of
+ * the one-pass decode attention) */
+#define V8_PIN(v) __asm__("" : "+x"(v))
+
 /* 2^x for 8 floats, x <= 0 (scores minus a running maximum): the polynomial of v16_exp2, the
  * power of two built in the exponent bits (inputs below -126 give 2^-126, a caller masks what
  * must be exactly zero) */
