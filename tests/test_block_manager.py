@@ -248,3 +248,14 @@ def test_a_declined_pull_does_not_queue_holding_its_prefix_hits():
     sched.resume(leg)  # the pull was declined
     assert leg.block_table == [] and list(sched.waiting) == [head, leg]
     assert [x.seq for x in sched.schedule()] == [head]
+
+
+def test_token_ids_slices_as_all_token_ids_does():
+    """`Sequence.token_ids(start, stop)` (a step's tokens, without joining prompt and output)
+    equals all_token_ids[start:stop] wherever the slice falls."""
+    seq = make_seq(0, range(10, 17))
+    seq.output_token_ids.extend(range(50, 55))
+    everything = seq.all_token_ids
+    for start in range(len(everything) + 1):
+        for stop in range(start, len(everything) + 2):
+            assert seq.token_ids(start, stop) == everything[start:stop], (start, stop)

@@ -181,11 +181,12 @@ class BlockManager:
         if not self.enable_prefix_caching:
             seq.num_hashed_blocks = n_full
             return
-        tokens, bs, start = seq.all_token_ids, self.block_size, seq.num_hashed_blocks
+        bs, start = self.block_size, seq.num_hashed_blocks
+        tokens = seq.token_ids(start * bs, n_full * bs)
         parent = (self.blocks[seq.block_table[start - 1]].hash if start
                   else salted(self.seed, seq.params.cache_salt))
         for i in range(start, n_full):
-            toks = tuple(tokens[i * bs : (i + 1) * bs])
+            toks = tuple(tokens[(i - start) * bs : (i - start + 1) * bs])
             parent = hash_block(parent, toks)
             block = self.blocks[seq.block_table[i]]
             if not block.hash:

@@ -54,7 +54,7 @@ class ModelRunner:
         row = 0
         for item in batch:
             seq, start, n = item.seq, item.start, item.num_new_tokens
-            tokens = seq.all_token_ids[start : start + n]
+            tokens = seq.token_ids(start, start + n)
             assert len(tokens) == n and n > 0
             p = range(start, start + n)
             ids.extend(tokens)

@@ -82,6 +82,15 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """all_token_ids[start:stop] without joining the whole list (a decode step's token)."""
+        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        if stop <= n:
+            return prompt[start:stop]
+        return prompt[start:] + self.output_token_ids[: stop - n]
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
