@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from duplexkv.engine.sampler import greedy, nucleus, race, sample_row
+from duplexkv.engine.sampler import greedy, nucleus, race, sample_row, sample_token
 from duplexkv.wire.sampling import SamplingParams
 
 
@@ -56,6 +56,28 @@ def test_greedy_picks_what_torch_argmax_picks():
     for r in [*rows, rows[:, 3], rows[5].bfloat16()]:
         assert greedy(r) == int(r.argmax())
     assert sample_row(rows[2].clone(), SamplingParams(temperature=0), None) == 5
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("change", ["none", "ban", "logit_bias", "repetition", "presence"])
+def test_greedy_sampling_applies_every_processing_before_the_argmax(change):
+    """A greedy row with nothing to process takes the argmax straight away; a ban, a logit
+    bias or a penalty still moves the pick off the top token."""
+    row = torch.zeros(100)
+    row[7], row[3] = 5.0, 4.0
+    kw, banned = {"temperature": 0}, []
+    if change == "ban":
+        banned = [7]
+    elif change == "logit_bias":
+        kw["logit_bias"] = {7: -10.0}
+    elif change == "repetition":
+        kw["repetition_penalty"] = 2.0
+    elif change == "presence":
+        kw["presence_penalty"] = 2.0
+    before = row.clone()
+    tok = sample_token(row, SamplingParams(**kw), banned, [1], [7], None)
+    assert tok == (7 if change == "none" else 3)
+    assert change != "none" or torch.equal(row, before)  # nothing to process: untouched
 
 
 def test_race_draws_each_entry_with_its_share():

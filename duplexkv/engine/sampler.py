@@ -23,6 +23,12 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return g
 
 
+def modifies(p: SamplingParams, banned: list[int]) -> bool:
+    """Whether `process_row` changes a row under these parameters and bans."""
+    return bool(banned or p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty
+                or p.frequency_penalty)
+
+
 @torch.inference_mode()  # logits are inference tensors: modify them in that mode
 def process_row(row: torch.Tensor, p: SamplingParams, banned: list[int],
                 prompt_ids: list[int], output_ids: list[int]) -> None:
@@ -50,6 +56,9 @@ def sample_token(row: torch.Tensor, p: SamplingParams, banned: list[int], prompt
                  matcher: Any = None) -> int:
     """Process and sample one row of logits; with a grammar's `matcher`, under its mask
     (engine/grammar.py `constrain`)."""
+    if matcher is None and p.greedy and not modifies(p, banned):
+        return greedy(row)  # the common case, without the two calls' inference-mode switches
+
     def process(r: torch.Tensor) -> None:
         process_row(r, p, banned, prompt_ids, output_ids)
 
