@@ -26,8 +26,8 @@ def stack_spy(llm: LLM) -> list[bool]:
     taken: list[bool] = []
     takes = stack.takes
 
-    def spy(x, ctx):
-        taken.append(takes(x, ctx))
+    def spy(ids, positions, ctx):
+        taken.append(takes(ids, positions, ctx))
         return taken[-1]
 
     stack.takes = spy
@@ -94,29 +94,63 @@ def test_rebuilt_mirrors_give_the_same_step(tiny_model_dir):
     assert not appended[0].isnan().any() and not appended[1].isnan().any()
 
 
-def test_a_slot_outside_the_pool_is_refused_before_the_kernel(tiny_model_dir):
-    """The C side trusts the addresses it gets: a step whose slot lies past the pool is a
-    ValueError, not a write into someone else's memory."""
+class StackSpy:
+    """Stands in for a model's decode stack, recording what each call takes."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.calls = stack, []
+
+    def takes(self, *args) -> bool:
+        return self.stack.takes(*args)
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        return self.stack(*args)
+
+
+def captured_step(tiny_model_dir):
+    """An engine's decode stack, and what it took for a decode step: (ids, the RoPE tables'
+    function, pool, context)."""
     llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
     eng = llm.engine
     eng.add_request(list(range(3, 60)), SamplingParams(max_tokens=4, temperature=0,
                                                        ignore_eos=True))
     eng.step()
     eng.step()
-    captured = []
     model = eng.runner.model
     stack = model.decode_stack
-    takes = stack.takes
-    stack.takes = lambda x, ctx: captured.append(ctx) or takes(x, ctx)
+    model.decode_stack = spy = StackSpy(stack)
     eng.runner.run(eng.scheduler.schedule())
-    ctx = captured[-1]
-    pool = eng.runner.pool
+    model.decode_stack = stack
+    assert len(spy.calls) == 1
+    return stack, spy.calls[0]
+
+
+def test_a_slot_outside_the_pool_is_refused_before_the_kernel(tiny_model_dir):
+    """The C side trusts the addresses it gets: a step whose slot lies past the pool is a
+    ValueError, not a write into someone else's memory."""
+    stack, (ids, tables, pool, ctx) = captured_step(tiny_model_dir)
     bad = AttnContext(ctx.seqs, torch.tensor([pool.shape[0]]), ctx.slot_offsets)
-    cfg = eng.model_config
-    x = torch.zeros(1, cfg.hidden_size)
-    cos = sin = torch.zeros(1, cfg.head_dim // 2)
     with pytest.raises(ValueError, match="slot"):
-        stack(x, cos, sin, pool, bad)
+        stack(ids, tables, pool, bad)
+
+
+def test_a_token_outside_the_vocabulary_or_a_position_past_the_tables_is_refused(
+        tiny_model_dir):
+    """Nor a token id past the embedding's rows (a read past it), nor a position past the RoPE
+    tables' rows."""
+    stack, (ids, tables, pool, ctx) = captured_step(tiny_model_dir)
+    vocab = stack.embed.shape[0]
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match="token"):
+            stack(torch.tensor([bad]), tables, pool, ctx)
+
+    def short(upto):
+        cos, sin = tables(upto)
+        return cos[: upto - 1], sin[: upto - 1]
+
+    with pytest.raises(ValueError, match="position"):
+        stack(ids, short, pool, ctx)
 
 
 def test_the_switch_turns_it_off(tiny_model_dir):

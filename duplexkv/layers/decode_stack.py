@@ -1,27 +1,31 @@
-"""A float32 decode step through every decoder layer in one native call (native_f32_decode.h).
+"""A float32 decode step from its token ids through every decoder layer and the final norm in one
+native call (native_f32_decode.h).
 
 A decode step of a few sequences runs ~10 kernels per layer, each reached through Python: a
 module call, shape checks, tensor views and allocations, a ctypes call. On the bench model
 (float32, AMD EPYC Zen 4, 2 threads) that Python took ~2 ms of an 8.5 ms step at 4k context
 x 1 sequence and ~2 ms of 25 ms at 4k x 8 (in-process), time in which memory stood still.
-`DecodeStack` runs the same kernels in the same order on the same values from C, once per step:
-its hidden states equal the layer-by-layer path's to the bit (tests/test_decode_stack.py), so it
-changes no token.
+`DecodeStack` runs the same kernels in the same order on the same values from C, once per step,
+with the embedding lookup, RoPE's cos/sin rows and the final norm before and after them (in Python
+~0.15 ms of a 7 ms step at 4k x 1, AMD EPYC Zen 2): its hidden states equal the layer-by-layer
+path's to the bit (tests/test_decode_stack.py), so it changes no token.
 
 It takes a step when (`takes`): the model runs in float32 on the native kernels, every sequence
 of the step decodes one token (no prefill chunk in the step) and has a mirror (staging.py), and
 there are at most `linear.NATIVE_ROWS` of them (more go to another product in `linear`). Any
 other step takes the layer-by-layer path. `DUPLEXKV_DECODE_STACK=0` turns it off (A/B).
 
-The C side trusts the addresses it gets; `__call__` checks every shape, stride and bound first.
-The weights' addresses are taken once (`DecodeStack.__init__`): the model's float32 parameters
-are loaded in place and never replaced.
+The C side trusts the addresses it gets; `__call__` checks every shape, stride and bound first
+(token ids against the embedding's rows, positions against the RoPE tables'). The weights'
+addresses are taken once (`DecodeStack.__init__`): the model's float32 parameters are loaded in
+place and never replaced.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,9 +50,9 @@ class StackDims(ctypes.Structure):  # struct dkv_stack_dims
 
 
 class DecodeRows(ctypes.Structure):  # struct dkv_decode_rows
-    _fields_ = [("B", _i64), ("cos", _ptr), ("sin", _ptr), ("mirror", _ptr), ("cap", _ptr),
-                ("pos", _ptr), ("pool", _ptr), ("slot", _ptr), ("pool_layer", _i64),
-                ("pool_kv", _i64)]
+    _fields_ = [("B", _i64), ("ids", _ptr), ("embed", _ptr), ("cos", _ptr), ("sin", _ptr),
+                ("norm", _ptr), ("mirror", _ptr), ("cap", _ptr), ("pos", _ptr), ("pool", _ptr),
+                ("slot", _ptr), ("pool_layer", _i64), ("pool_kv", _i64)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +88,9 @@ def _check(t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
 
 
 class DecodeStack:
-    def __init__(self, layers: list[LayerTensors], dims: Dims) -> None:
+    def __init__(self, embed: torch.Tensor, layers: list[LayerTensors], norm: torch.Tensor,
+                 dims: Dims) -> None:
+        """embed: the embedding [vocab, hidden]; norm: the final norm's weight [hidden]."""
         d = dims
         nqkv = (d.heads + 2 * d.kv_heads) * d.head_dim
         if (d.kv_heads < 1 or d.heads % d.kv_heads or d.head_dim % 16
@@ -103,6 +109,11 @@ class DecodeStack:
                 _check(w.qkv_bias, (nqkv,), f"layer {i} qkv_bias")
             if w.qk_norm is not None:
                 _check(w.qk_norm, (d.heads + d.kv_heads, d.head_dim), f"layer {i} qk_norm")
+        if embed.dim() != 2 or embed.shape[0] < 1:
+            raise ValueError(f"decode stack: embedding {tuple(embed.shape)}")
+        _check(embed, (embed.shape[0], d.hidden), "embedding")
+        _check(norm, (d.hidden,), "final norm")
+        self.embed, self.norm = embed, norm
         self.layers, self.dims = layers, dims  # keeps the tensors alive
         self._weights = (LayerWeights * len(layers))(*(LayerWeights(
             w.in_norm.data_ptr(), w.post_norm.data_ptr(), w.qkv.data_ptr(),
@@ -117,32 +128,36 @@ class DecodeStack:
         """Whether a float32 model builds one here (kernels built, not turned off)."""
         return ENABLED and linear.ENABLED and native.available()
 
-    def takes(self, x: torch.Tensor, ctx: AttnContext) -> bool:
-        """Whether this step (x [B, hidden], its embeddings) runs here: see the module doc."""
+    def takes(self, ids: torch.Tensor, positions: torch.Tensor, ctx: AttnContext) -> bool:
+        """Whether this step (ids [B], its token ids at `positions`) runs here: see the module
+        doc; each position must be its sequence's next (`start`), the one the stack uses."""
         seqs = ctx.seqs
-        return (x.dtype == torch.float32 and 0 < len(seqs) == x.shape[0] <= linear.NATIVE_ROWS
+        return (0 < len(seqs) == ids.shape[0] <= linear.NATIVE_ROWS
                 and all(s.num_new == 1 and s.mirror is not None for s in seqs)
-                and native.available())
+                and positions.tolist() == [s.start for s in seqs] and native.available())
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 pool: torch.Tensor, ctx: AttnContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer over this step's embeddings x [B, hidden] (`takes` first) -> (the last
-        layer's output, the residual stream): what the layer loop returns, bit for bit."""
+    def __call__(self, ids: torch.Tensor, tables: Callable[[int], tuple[torch.Tensor, ...]],
+                 pool: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """The step of token ids [B] (`takes` first), each at its sequence's next position
+        (`start`), with `tables(P)` RoPE's cos and sin [>= P, head_dim / 2] for positions 0 ..
+        P - 1 (qwen3.py Rotary.tables) -> the final norm's output [B, hidden]: what the model's
+        Python path returns, bit for bit."""
         d, L = self.dims, len(self.layers)
-        b = x.shape[0]
-        x = x.contiguous()
-        _check(x, (b, d.hidden), "x")
+        b = ids.shape[0]
         half = d.head_dim // 2
-        cos, sin = cos.reshape(b, half), sin.reshape(b, half)
-        _check(cos, (b, half), "cos")
-        _check(sin, (b, half), "sin")
+        cos, sin = tables(max(s.start for s in ctx.seqs) + 1)
+        rows = cos.shape[0]
+        _check(cos, (rows, half), "cos")
+        _check(sin, (rows, half), "sin")
         if pool.dtype != torch.float32 or pool.dim() != 6 or not pool.is_contiguous() \
                 or pool.shape[1] != L or pool.shape[2] != 2 \
                 or tuple(pool.shape[4:]) != (d.kv_heads, d.head_dim):
             raise ValueError(f"decode stack: pool {pool.dtype} {tuple(pool.shape)}")
+        tokens = ids.tolist()
         blocks, offsets = ctx.slot_blocks.tolist(), ctx.slot_offsets.tolist()
-        if len(blocks) != b or len(offsets) != b:
-            raise ValueError(f"decode stack: {len(blocks)} slots for {b} rows")
+        if ids.dim() != 1 or len(blocks) != b or len(offsets) != b:
+            raise ValueError(f"decode stack: {len(blocks)} slots for {tuple(ids.shape)} ids")
+        vocab = self.embed.shape[0]
         rebuild_mirrors(pool, ctx, L)
         mirrors, caps, pos, slots = [], [], [], []
         for i, s in enumerate(ctx.seqs):
@@ -154,20 +169,23 @@ class DecodeStack:
                     or not 0 <= offsets[i] < pool.shape[3]):
                 raise ValueError(f"decode stack: sequence {i} at {s.start} (row {s.q_start}), "
                                  f"mirror {tuple(kv.shape)}, slot {blocks[i]}/{offsets[i]}")
+            if not 0 <= tokens[i] < vocab or s.start >= rows:
+                raise ValueError(f"decode stack: sequence {i}: token {tokens[i]} of {vocab}, "
+                                 f"position {s.start} of {rows} in the RoPE tables")
             mirrors.append(kv.data_ptr())
             caps.append(kv.shape[3])
             pos.append(s.start)
             slots.append(blocks[i] * pool.stride(0) + offsets[i] * pool.stride(3))
         arr = _i64 * b
-        cols = [arr(*c) for c in (mirrors, caps, pos, slots)]
-        rows = DecodeRows(b, cos.data_ptr(), sin.data_ptr(), *(ctypes.addressof(c)
-                                                               for c in cols[:3]),
-                          pool.data_ptr(), ctypes.addressof(cols[3]), pool.stride(1),
-                          pool.stride(2))
-        out = torch.empty_like(x)
-        rc = native.library().dkv_f32_decode_stack(
-            ctypes.addressof(self._weights), ctypes.addressof(self._dims), ctypes.addressof(rows),
-            x.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        cols = [arr(*c) for c in (tokens, mirrors, caps, pos, slots)]
+        addr = [ctypes.addressof(c) for c in cols]
+        step = DecodeRows(b, addr[0], self.embed.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                          self.norm.data_ptr(), *addr[1:4], pool.data_ptr(), addr[4],
+                          pool.stride(1), pool.stride(2))
+        out = torch.empty(b, d.hidden)
+        rc = native.library().dkv_f32_decode_step(
+            ctypes.addressof(self._weights), ctypes.addressof(self._dims), ctypes.addressof(step),
+            out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise MemoryError("native decode stack: out of memory or unsupported shape")
-        return out, x
+        return out

@@ -80,7 +80,7 @@ _SIGNATURES = {  # the kernels' C functions: (restype, argtypes)
     "dkv_amx_attention": (_int, _CAUSAL), "dkv_vdp_attention": (_int, _CAUSAL),
     "dkv_f32_attention": (_int, _CAUSAL),
     "dkv_f32_attention_ok": (_int, []),
-    "dkv_f32_decode_stack": (_int, [_f32p] * 5 + [_int]),
+    "dkv_f32_decode_step": (_int, [_f32p] * 4 + [_int]),
 }
 _lib: ctypes.CDLL | None = None
 _tried = False

@@ -1,18 +1,22 @@
-/* dkv_f32_decode_stack: a float32 decode step (one new token for each of B <= 16 sequences, each
- * with a mirror of its context) through every decoder layer in one call (layers/decode_stack.py).
+/* dkv_f32_decode_step: a float32 decode step (one new token for each of B <= 16 sequences, each
+ * with a mirror of its context) from its token ids to the final norm's output, in one call
+ * (layers/decode_stack.py).
  *
- * It calls the kernels a layer's Python path calls one by one (model/qwen3.py DecoderLayer:
- * RMSNorm, the qkv product, per-head norm and RoPE, the K/V writes to the pool and the mirror,
- * decode attention, the output product, RMSNorm, gate/up, SiLU x up, down), in the same order,
- * with the same arguments, so its result is the same to the bit; what it saves is the Python
- * between them: ~10 calls per layer, each with its checks, tensor views and allocations (bench
- * model, float32, AMD EPYC Zen 4, 2 threads, in-process: a step at 4k x 1 8.5 -> 6.5 ms, at 4k x 8
- * 25.2 -> 23.3 ms; docs/engine.md).
+ * It calls the kernels the model's Python path calls one by one (model/qwen3.py CausalLM.forward:
+ * the embedding lookup, RoPE's cos/sin rows from the tables, then per layer RMSNorm, the qkv
+ * product, per-head norm and RoPE, the K/V writes to the pool and the mirror, decode attention,
+ * the output product, RMSNorm, gate/up, SiLU x up, down; then the final RMSNorm), in the same
+ * order, with the same arguments, so its result is the same to the bit; what it saves is the
+ * Python between them: ~10 calls per layer, each with its checks, tensor views and allocations
+ * (bench model, float32, AMD EPYC Zen 4, 2 threads, in-process: a step at 4k x 1 8.5 -> 6.5 ms,
+ * at 4k x 8 25.2 -> 23.3 ms; docs/engine.md), and the embedding, RoPE rows and final norm's
+ * ~0.15 ms (AMD EPYC Zen 2, 4k x 1).
  *
  * Layout: the pool is [blocks, layers, 2, block_size, KVH, D]; row b's slot in layer l, K (kv 0)
  * or V (kv 1), starts at pool + slot[b] + l * pool_layer + kv * pool_kv. Sequence b's mirror is
  * [layers, 2, KVH, cap[b], D] at address mirror[b]; its new token goes to position pos[b] and
- * attention reads positions 0 .. pos[b]. The caller (decode_stack.py) checks every bound.
+ * attention reads positions 0 .. pos[b]. The caller (decode_stack.py) checks every bound: the
+ * ids against the embedding's rows, the positions against the RoPE tables' rows.
  */
 
 struct dkv_layer_weights { /* one decoder layer's float32 weights, all contiguous */
@@ -29,7 +33,10 @@ struct dkv_stack_dims {
 
 struct dkv_decode_rows {
     int64_t B;
-    const float *cos, *sin;    /* [B, D / 2] */
+    const int64_t *ids;        /* [B] token ids, rows of embed */
+    const float *embed;        /* [vocab, hidden] */
+    const float *cos, *sin;    /* RoPE tables [P, D / 2], rows pos[b] */
+    const float *norm;         /* the final norm's weight [hidden] */
     const int64_t *mirror;     /* [B] addresses of the mirrors */
     const int64_t *cap, *pos;  /* [B] */
     float *pool;
@@ -37,16 +44,16 @@ struct dkv_decode_rows {
     int64_t pool_layer, pool_kv;
 };
 
-/* x [B, hidden]: the embeddings in, the residual stream out (in place, as the Python path leaves
- * it); out [B, hidden]: the last layer's MLP output (the final norm adds the two). Returns 0, or
- * -1 if a buffer could not be allocated or attention refused the shape. */
-int dkv_f32_decode_stack(const struct dkv_layer_weights *lw, const struct dkv_stack_dims *dm,
-                         const struct dkv_decode_rows *s, float *x, float *out, int nthreads) {
+/* out [B, hidden]: the final norm's output. Returns 0, or -1 if a buffer could not be allocated
+ * or attention refused the shape. */
+int dkv_f32_decode_step(const struct dkv_layer_weights *lw, const struct dkv_stack_dims *dm,
+                        const struct dkv_decode_rows *s, float *out, int nthreads) {
     const int64_t B = s->B, Hd = dm->hidden, H = dm->heads, KVH = dm->kv_heads, D = dm->head_dim;
-    const int64_t I = dm->inter, NQKV = (H + 2 * KVH) * D, L = dm->layers;
+    const int64_t I = dm->inter, NQKV = (H + 2 * KVH) * D, L = dm->layers, half = D / 2;
     if (B < 1 || B > 16 || KVH < 1 || H % KVH) return -1;
-    /* the buffers of one layer's intermediate values, as the Python path's tensors */
-    const int64_t per_row = Hd + NQKV + H * D + KVH * D + H * D + Hd + 2 * I + I;
+    /* the residual stream, the RoPE rows and one layer's intermediate values, as the Python
+     * path's tensors */
+    const int64_t per_row = 4 * Hd + 2 * half + NQKV + 2 * H * D + KVH * D + 3 * I;
     float *buf = malloc((size_t)(B * per_row) * sizeof(float));
     int64_t *meta = malloc((size_t)(5 * B) * sizeof(int64_t));
     if (!buf || !meta) {
@@ -54,21 +61,26 @@ int dkv_f32_decode_stack(const struct dkv_layer_weights *lw, const struct dkv_st
         free(meta);
         return -1;
     }
-    float *h = buf, *qkv = h + B * Hd, *q = qkv + B * NQKV, *k = q + B * H * D;
+    float *x = buf, *y = x + B * Hd, *cs = y + B * Hd, *sn = cs + B * half, *h = sn + B * half;
+    float *qkv = h + B * Hd, *q = qkv + B * NQKV, *k = q + B * H * D;
     float *o = k + B * KVH * D, *a = o + B * H * D, *gu = a + B * Hd, *sm = gu + B * 2 * I;
     int64_t *kb = meta, *vb = meta + B, *hs = meta + 2 * B, *rs = meta + 3 * B,
             *len = meta + 4 * B;
+    for (int64_t b = 0; b < B; b++) {
+        memcpy(x + b * Hd, s->embed + s->ids[b] * Hd, (size_t)Hd * sizeof(float));
+        memcpy(cs + b * half, s->cos + s->pos[b] * half, (size_t)half * sizeof(float));
+        memcpy(sn + b * half, s->sin + s->pos[b] * half, (size_t)half * sizeof(float));
+    }
     const size_t row_bytes = (size_t)(KVH * D) * sizeof(float);
     int rc = 0;
     for (int64_t l = 0; l < L && rc == 0; l++) {
         const struct dkv_layer_weights *w = lw + l;
-        dkv_add_rmsnorm(x, l ? out : NULL, w->in_norm, h, B, Hd, dm->eps, nthreads);
+        dkv_add_rmsnorm(x, l ? y : NULL, w->in_norm, h, B, Hd, dm->eps, nthreads);
         dkv_linear(h, w->qkv, qkv, B, NQKV, Hd, nthreads);
         if (w->qkv_bias)
             for (int64_t b = 0; b < B; b++)
                 for (int64_t n = 0; n < NQKV; n++) qkv[b * NQKV + n] += w->qkv_bias[n];
-        dkv_qk_norm_rope(qkv, NQKV, w->qk_norm, s->cos, s->sin, q, k, B, H, KVH, D, dm->qk_eps,
-                         nthreads);
+        dkv_qk_norm_rope(qkv, NQKV, w->qk_norm, cs, sn, q, k, B, H, KVH, D, dm->qk_eps, nthreads);
         for (int64_t b = 0; b < B; b++) {
             const float *kr = k + b * KVH * D, *vr = qkv + b * NQKV + (H + KVH) * D;
             float *slot = s->pool + s->slot[b] + l * s->pool_layer;
@@ -89,8 +101,9 @@ int dkv_f32_decode_stack(const struct dkv_layer_weights *lw, const struct dkv_st
         dkv_add_rmsnorm(x, a, w->post_norm, h, B, Hd, dm->eps, nthreads);
         dkv_linear(h, w->gate_up, gu, B, 2 * I, Hd, nthreads);
         dkv_silu_mul(gu, sm, B, I, nthreads);
-        dkv_linear(sm, w->down, out, B, Hd, I, nthreads);
+        dkv_linear(sm, w->down, y, B, Hd, I, nthreads);
     }
+    if (rc == 0) dkv_add_rmsnorm(x, y, s->norm, out, B, Hd, dm->eps, nthreads);
     free(meta);
     free(buf);
     return rc ? -1 : 0;

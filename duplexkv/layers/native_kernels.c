@@ -12,7 +12,7 @@
  * Both run their work on the thread pool of native_pool.h; the element-wise kernels at the end
  * (RMSNorm, RoPE, SiLU for a decode step's few rows) run on the calling thread.
  *
- * dkv_f32_decode_stack (native_f32_decode.h): a float32 decode step through every decoder layer
+ * dkv_f32_decode_step (native_f32_decode.h): a float32 decode step through every decoder layer
  * in one call of the kernels above.
  *
  * Included: native_amx.h (the bf16 linear on AMX tiles, every row count) and native_bf16.h (bf16

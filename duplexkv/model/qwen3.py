@@ -216,15 +216,15 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 pool: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
+        stack = self.decode_stack
+        if stack is not None and stack.takes(input_ids, positions, ctx := get_context()):
+            # what follows, in one native call (each position is its sequence's next)
+            return stack(input_ids, self.rotary.tables, pool, ctx)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        stack = self.decode_stack
-        if stack is not None and stack.takes(x, ctx := get_context()):
-            x, residual = stack(x, cos, sin, pool, ctx)  # the layers below, in one native call
-        else:
-            residual = None
-            for layer in self.layers:
-                x, residual = layer(x, residual, cos, sin, pool)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, pool)
         return self.norm(x, residual)[0]
 
     def build_decode_stack(self) -> bool:
@@ -246,7 +246,10 @@ class CausalLM(nn.Module):
         # eps and scale as the layer loop's modules hold them, so both paths use the same values
         first = self.layers[0]
         attn = first.self_attn
-        self.decode_stack = DecodeStack(layers, Dims(
+        if self.norm.eps != first.input_layernorm.eps:
+            return False  # the stack's norms share one eps
+        self.decode_stack = DecodeStack(self.embed_tokens.weight.detach(), layers,
+                                        self.norm.weight.detach(), Dims(
             cfg.hidden_size, attn.num_heads, attn.num_kv, attn.head_dim, first.mlp.inter,
             first.input_layernorm.eps, attn.q_norm.eps if attn.qk_norm else 0.0, attn.scale))
         return True
