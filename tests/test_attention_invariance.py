@@ -32,8 +32,7 @@ def run_chunks(q, k, v, chunks, mirrors: bool):
         sa = attention.build_seq_attn(0, n, start, block_ids, BLOCK, mirror)
         p = range(start, start + n)
         attention.set_context(attention.AttnContext(
-            [sa], torch.tensor([block_ids[i // BLOCK] for i in p]),
-            torch.tensor([i % BLOCK for i in p])))
+            [sa], [block_ids[i // BLOCK] for i in p], [i % BLOCK for i in p]))
         try:
             out.append(attention.paged_attention(q[p.start : p.stop], k[p.start : p.stop],
                                                  v[p.start : p.stop], pool, 0, d ** -0.5))

@@ -130,7 +130,7 @@ def test_a_slot_outside_the_pool_is_refused_before_the_kernel(tiny_model_dir):
     """The C side trusts the addresses it gets: a step whose slot lies past the pool is a
     ValueError, not a write into someone else's memory."""
     stack, (ids, tables, pool, ctx) = captured_step(tiny_model_dir)
-    bad = AttnContext(ctx.seqs, torch.tensor([pool.shape[0]]), ctx.slot_offsets)
+    bad = AttnContext(ctx.seqs, [pool.shape[0]], ctx.offsets)
     with pytest.raises(ValueError, match="slot"):
         stack(ids, tables, pool, bad)
 

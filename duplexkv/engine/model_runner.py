@@ -66,7 +66,7 @@ class ModelRunner:
             row += n
             if item.samples:
                 sample_rows.append(row - 1)
-        set_context(AttnContext(seqs, torch.tensor(blocks), torch.tensor(offsets)))
+        set_context(AttnContext(seqs, blocks, offsets))
         try:
             hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.pool)
         finally:

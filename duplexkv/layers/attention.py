@@ -113,16 +113,27 @@ class SeqAttn:
 @dataclass(slots=True)
 class AttnContext:
     seqs: list[SeqAttn]
-    slot_blocks: torch.Tensor  # [T] block id of each new token
-    slot_offsets: torch.Tensor  # [T] offset inside its block
+    blocks: list[int]  # [T] block id of each new token
+    offsets: list[int]  # [T] its offset inside the block
+    _slots: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`blocks` and `offsets` as int64 tensors, made when first asked (a decode step through
+        the decode stack never asks)."""
+        if self._slots is None:
+            self._slots = (torch.tensor(self.blocks, dtype=torch.long),
+                           torch.tensor(self.offsets, dtype=torch.long))
+        return self._slots
 
 
 def write_kv(pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
              ctx: AttnContext) -> None:
     """This step's K/V [T, KVH, D] into their pool slots. (One `index_copy_` of a sequence's
     whole blocks was tried: no faster than this `index_put`, 2k-8k tokens, 1 and 2 threads.)"""
-    pool[ctx.slot_blocks, layer, 0, ctx.slot_offsets] = k
-    pool[ctx.slot_blocks, layer, 1, ctx.slot_offsets] = v
+    blocks, offsets = ctx.slots
+    pool[blocks, layer, 0, offsets] = k
+    pool[blocks, layer, 1, offsets] = v
 
 
 def _rebuild_mirror(m: Mirror, pool: torch.Tensor, s: SeqAttn, layer: int) -> None:

@@ -154,7 +154,7 @@ class DecodeStack:
                 or tuple(pool.shape[4:]) != (d.kv_heads, d.head_dim):
             raise ValueError(f"decode stack: pool {pool.dtype} {tuple(pool.shape)}")
         tokens = ids.tolist()
-        blocks, offsets = ctx.slot_blocks.tolist(), ctx.slot_offsets.tolist()
+        blocks, offsets = ctx.blocks, ctx.offsets
         if ids.dim() != 1 or len(blocks) != b or len(offsets) != b:
             raise ValueError(f"decode stack: {len(blocks)} slots for {tuple(ids.shape)} ids")
         vocab = self.embed.shape[0]
