@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from duplexkv.engine.sampler import greedy, nucleus, race, sample_row, sample_token
+from duplexkv.engine.sampler import greedy, greedy_rows, nucleus, race, sample_row, sample_token
 from duplexkv.wire.sampling import SamplingParams
 
 
@@ -55,6 +55,7 @@ def test_greedy_picks_what_torch_argmax_picks():
     rows[4, 100:] = rows[4, :100].max() + 1
     for r in [*rows, rows[:, 3], rows[5].bfloat16()]:
         assert greedy(r) == int(r.argmax())
+    assert greedy_rows(rows) == [int(r.argmax()) for r in rows]  # the batch's at once
     assert sample_row(rows[2].clone(), SamplingParams(temperature=0), None) == 5
 
 

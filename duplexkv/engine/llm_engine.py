@@ -25,7 +25,7 @@ from duplexkv.engine.kv_transfer import KVConnectorBase
 from duplexkv.engine.output_processor import OutputProcessor, ReqState, RequestOutput
 from duplexkv.engine.parallel import Choices, choice_params
 from duplexkv.engine.remote_kv import KVEvents, RemoteKV
-from duplexkv.engine.sampler import sample_token
+from duplexkv.engine.sampler import greedy_rows, sample_token
 from duplexkv.engine.scheduler import ScheduledSeq, Scheduler
 from duplexkv.engine.sequence import Sequence
 from duplexkv.engine.state import EngineViews
@@ -179,6 +179,8 @@ class LLMEngine(Admission, KVEvents, EngineViews, HostOps):
         outputs: list[RequestOutput] = []
         if logits is None:
             return outputs
+        tops = greedy_rows(logits) if all(item.seq.params.greedy for item in sampling) \
+            else None
         for i, item in enumerate(sampling):
             st = self.requests.get(item.seq.request_id)
             if st is None:  # a sibling choice's failure ended this request meanwhile
@@ -187,7 +189,7 @@ class LLMEngine(Admission, KVEvents, EngineViews, HostOps):
                 seq = st.seq
                 tok = sample_token(logits[i], seq.params, self.banned_tokens(seq),
                                    seq.prompt_token_ids, seq.output_token_ids, st.generator,
-                                   st.matcher)
+                                   st.matcher, None if tops is None else tops[i])
             except Exception as e:
                 outputs.append(self._fail(st, f"sampling failed: {e}"))
                 continue
