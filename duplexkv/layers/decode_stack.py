@@ -143,6 +143,8 @@ class DecodeStack:
         P - 1 (qwen3.py Rotary.tables) -> the final norm's output [B, hidden]: what the model's
         Python path returns, bit for bit."""
         d, L = self.dims, len(self.layers)
+        if ids.dim() != 1 or ids.dtype != torch.long:
+            raise ValueError(f"decode stack: token ids {ids.dtype} {tuple(ids.shape)}")
         b = ids.shape[0]
         half = d.head_dim // 2
         cos, sin = tables(max(s.start for s in ctx.seqs) + 1)
@@ -155,8 +157,8 @@ class DecodeStack:
             raise ValueError(f"decode stack: pool {pool.dtype} {tuple(pool.shape)}")
         tokens = ids.tolist()
         blocks, offsets = ctx.blocks, ctx.offsets
-        if ids.dim() != 1 or len(blocks) != b or len(offsets) != b:
-            raise ValueError(f"decode stack: {len(blocks)} slots for {tuple(ids.shape)} ids")
+        if len(blocks) != b or len(offsets) != b:
+            raise ValueError(f"decode stack: {len(blocks)} slots for {b} rows")
         vocab = self.embed.shape[0]
         rebuild_mirrors(pool, ctx, L)
         mirrors, caps, pos, slots = [], [], [], []
@@ -182,7 +184,7 @@ class DecodeStack:
         step = DecodeRows(b, addr[0], self.embed.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                           self.norm.data_ptr(), *addr[1:4], pool.data_ptr(), addr[4],
                           pool.stride(1), pool.stride(2))
-        out = torch.empty(b, d.hidden)
+        out = torch.empty(b, d.hidden, dtype=torch.float32)
         rc = native.library().dkv_f32_decode_step(
             ctypes.addressof(self._weights), ctypes.addressof(self._dims), ctypes.addressof(step),
             out.data_ptr(), torch.get_num_threads())

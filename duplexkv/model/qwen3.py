@@ -248,10 +248,11 @@ class CausalLM(nn.Module):
         attn = first.self_attn
         if self.norm.eps != first.input_layernorm.eps:
             return False  # the stack's norms share one eps
+        dims = Dims(cfg.hidden_size, attn.num_heads, attn.num_kv, attn.head_dim,
+                    first.mlp.inter, first.input_layernorm.eps,
+                    attn.q_norm.eps if attn.qk_norm else 0.0, attn.scale)
         self.decode_stack = DecodeStack(self.embed_tokens.weight.detach(), layers,
-                                        self.norm.weight.detach(), Dims(
-            cfg.hidden_size, attn.num_heads, attn.num_kv, attn.head_dim, first.mlp.inter,
-            first.input_layernorm.eps, attn.q_norm.eps if attn.qk_norm else 0.0, attn.scale))
+                                        self.norm.weight.detach(), dims)
         return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
