@@ -5,9 +5,9 @@
  * reduction, as the three-pass kernel), each query's running maximum (a new maximum rescales its
  * sum and accumulators: online softmax), the block's probabilities by v8_exp2 in log2 units, then
  * the block's value rows times them into accumulators kept per query in L1, FA_ACC of them in
- * registers at a time (pv_rows, specialised by shape). While query g scores a block it asks for
- * its share of the key and value rows FA_AHEAD rows ahead, so both streams are asked for in
- * order, row by row, at the pace the chunk computes.
+ * registers at a time (pv_rows, specialised by shape). Before query g scores a block it asks for
+ * its share of the key rows FA_AHEAD rows ahead, after it its share of the value rows, so both
+ * streams are asked for in order, row by row, at the pace the chunk computes.
  *
  * Why one pass: the three passes streamed the values in the score pass and the next chunk's keys
  * in the P.V pass, each a stream of its own at a time, and left memory idle in the softmax pass;
@@ -71,7 +71,6 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
             for (int64_t t = g * VL / G; t < (g + 1) * VL / G; t++)
                 if (j + FA_AHEAD + t < reach) {
                     prefetch_rows(kb + (FA_AHEAD + t) * row_stride, row_stride, D, 1, KHINT);
-                    prefetch_rows(vb + (FA_AHEAD + t) * row_stride, row_stride, D, 1, VHINT);
                 }
             const float *qg = q + g * D;
             vf s;
@@ -80,6 +79,11 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
             else /* the chunk's last keys: past them -FLT_MAX, their weights masked to 0 */
                 for (int t = 0; t < VL; t++)
                     s[t] = t < nb ? key_score(qg, kb + t * row_stride, nv, sc) : -FLT_MAX;
+            /* the value rows' share after the scores, not beside the keys' (a call 0.98-0.985x
+             * at 8 x 4k, 8 x 8k, 1 x 4k and 1 x 8k, session 56) */
+            for (int64_t t = g * VL / G; t < (g + 1) * VL / G; t++)
+                if (j + FA_AHEAD + t < reach)
+                    prefetch_rows(vb + (FA_AHEAD + t) * row_stride, row_stride, D, 1, VHINT);
             const float bm = v8_hmax((__m256)s);
             if (bm > m[g]) { /* the first block: exp2(-FLT_MAX - bm) = 0, nothing to keep */
                 const float corr = exp2f(m[g] - bm);
