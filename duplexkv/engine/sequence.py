@@ -120,4 +120,4 @@ class Sequence:
         return self.num_computed_tokens < self.num_prompt_tokens
 
     def block_tokens(self, i: int) -> list[int]:
-        return self.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
+        return self.token_ids(i * self.block_size, (i + 1) * self.block_size)
