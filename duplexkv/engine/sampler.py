@@ -34,7 +34,10 @@ def process_row(row: torch.Tensor, p: SamplingParams, banned: list[int],
                 prompt_ids: list[int], output_ids: list[int]) -> None:
     """Apply, in place on one row of logits [V]: logit_bias, penalties (vLLM's order and
     meaning: repetition over prompt + output, presence/frequency over the output), then bans
-    (stop and eos tokens before min_tokens)."""
+    (stop and eos tokens before min_tokens). `modifies` gates it, as it gates sample_token's
+    greedy shortcut, so a processing added here without it would not run on either path."""
+    if not modifies(p, banned):
+        return
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
         row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype))
