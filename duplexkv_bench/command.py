@@ -36,6 +36,8 @@ SCRIPTS = {
                       "one interleaved run, answers against a single vLLM server",
     "soak": "conversations through router + P + D for a given time: RSS of every process",
     "sampler_cost": "one row's sampling per vocabulary size and setting (--old TREE beside it)",
+    "read_limits": "how fast a decode step's bytes read here: plain reads (hardware / software "
+                   "prefetch) and the kernels beside the floor's bandwidth",
 }
 
 
