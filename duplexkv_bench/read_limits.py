@@ -65,7 +65,7 @@ def probe_library() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             lib = Path(tmp) / "p.so"
             r = subprocess.run([cc, *PROBE_FLAGS, str(PROBE), "-o", str(lib)],
-                               capture_output=True, text=True, timeout=120)
+                               check=False, capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
                 raise OSError(f"compiling {PROBE} failed: {r.stderr.strip()[:500]}")
             os.replace(lib, target)
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {**WORKER_ENV_DEFAULTS, **os.environ}
         argv = sys.argv[1:] if argv is None else argv
         return subprocess.run([sys.executable, "-m", "duplexkv_bench.read_limits", *argv],
-                              env=env).returncode
+                              env=env, check=False).returncode
     if native.library() is None:
         print("the native kernels are not available (DUPLEXKV_NATIVE=0, or no C compiler): "
               "nothing to measure them by", flush=True)
