@@ -16,6 +16,8 @@ computes while it reads can reach here, and how near the engine's kernels come t
     weights x1, x8         the engine's linear (dkv_linear) over a decode step's weights (the
                            preset's shapes, LM head included, huge pages) at 1 and 8 rows
 
+All in float32 (the bf16 kernels are not measured here).
+
 KV buffers rotate through a working set larger than the caches; every row is the median of
 `--rounds` rounds, each taking the rows in turn (the order reversed every other round). What the
 session-57 run found (AMD EPYC Zen 2, 2 cores): plain reads reach ~1.1x the sum's rate when the
@@ -41,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from duplexkv.engine.dtype import read_cpu_flags
 from duplexkv.engine.process_env import WORKER_ENV_DEFAULTS
 from duplexkv.layers import hugepages, native
 from duplexkv.model.presets import get_preset
@@ -49,7 +52,9 @@ from duplexkv_bench.machine_limits import Bandwidth, cpu_line, loadavg
 
 PROBE = Path(__file__).with_name("read_probe.c")
 PROBE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-std=gnu11"]
-FA_AHEAD = 12  # native_f32_attn_avx2.h: key and value rows the attention asks for ahead
+# key rows the float32 decode attention asks for ahead: the AVX2 one-pass kernel's FA_AHEAD
+# (native_f32_attn_avx2.h), the AVX-512 three-pass kernel's PREFETCH (native_f32_attn.h)
+AHEAD_AVX2, AHEAD_AVX512 = 12, 16
 
 
 def probe_library() -> ctypes.CDLL:
@@ -169,8 +174,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=8, help="sequences of the KV rows")
     ap.add_argument("--context", type=int, default=4096, help="tokens of each sequence's KV")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--ahead", type=int, default=FA_AHEAD,
-                    help="rows ahead the software-prefetch row asks for")
+    ap.add_argument("--ahead", type=int, default=None,
+                    help="rows ahead the software-prefetch row asks for (default: the "
+                         f"attention's: {AHEAD_AVX512} on AVX-512, {AHEAD_AVX2} elsewhere)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--working-set-mib", type=int, default=192,
                     help="KV bytes the rows rotate through (more than the caches hold)")
@@ -178,8 +184,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if min(args.batch, args.context, args.rounds, args.threads, args.working_set_mib,
-           args.sum_mib) < 1 or args.ahead < 0:
+           args.sum_mib) < 1 or (args.ahead or 0) < 0:
         ap.error("sizes, --rounds and --threads must be >= 1, --ahead >= 0")
+    if args.ahead is None:
+        args.ahead = AHEAD_AVX512 if "avx512f" in (read_cpu_flags() or ()) else AHEAD_AVX2
     return args
 
 
@@ -220,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"{cpu_line()}\n{args.preset} shapes: KV {args.batch} x {args.context} tokens "
           f"({batch_bytes / 1e6:.1f} MB a batch, {len(kv.bufs)} batches rotated), weights "
-          f"{weights.nbytes / 1e6:.1f} MB; {args.threads} threads; load {loadavg()}", flush=True)
+          f"{weights.nbytes / 1e6:.1f} MB; {args.threads} threads; software prefetch {args.ahead} "
+          f"rows ahead; load {loadavg()}", flush=True)
     got: dict[str, list[float]] = {name: [] for name in rows}
     for r in range(args.rounds):
         for name in (list(rows) if r % 2 == 0 else list(reversed(rows))):
