@@ -46,7 +46,7 @@ import torch
 from duplexkv.engine.dtype import read_cpu_flags
 from duplexkv.engine.process_env import WORKER_ENV_DEFAULTS
 from duplexkv.layers import hugepages, native
-from duplexkv.model.presets import get_preset
+from duplexkv.model.presets import PRESETS, get_preset
 from duplexkv.paths import cache_dir
 from duplexkv_bench.machine_limits import Bandwidth, cpu_line, loadavg
 
@@ -170,7 +170,8 @@ class Weights:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="duplexkv bench read_limits",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="bench", help="the model shapes (a preset's)")
+    ap.add_argument("--preset", default="bench", choices=sorted(PRESETS),
+                    help="the model shapes (a preset's)")
     ap.add_argument("--batch", type=int, default=8, help="sequences of the KV rows")
     ap.add_argument("--context", type=int, default=4096, help="tokens of each sequence's KV")
     ap.add_argument("--rounds", type=int, default=7)

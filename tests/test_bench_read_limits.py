@@ -48,8 +48,11 @@ def test_read_limits_measures_every_row(tmp_path: Path, capfd) -> None:
     assert [line.split("|")[1].strip() for line in table[1:]] == names
 
 
-def test_bad_sizes_get_a_clear_error(capsys) -> None:
+@pytest.mark.parametrize(("argv", "named"), [(["--rounds", "0"], "--rounds"),
+                                              (["--ahead", "-1"], "--ahead"),
+                                              (["--preset", "nope"], "--preset")])
+def test_bad_arguments_get_a_clear_error(argv: list[str], named: str, capsys) -> None:
     with pytest.raises(SystemExit) as e:
-        main(["bench", "read_limits", "--rounds", "0"])
+        main(["bench", "read_limits", *argv])
     assert e.value.code == 2
-    assert "--rounds" in capsys.readouterr().err
+    assert named in capsys.readouterr().err
