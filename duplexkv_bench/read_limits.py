@@ -12,6 +12,9 @@ computes while it reads can reach here, and how near the engine's kernels come t
                            (read_probe.c), the stream left to the hardware prefetcher
     kv, software prefetch  the same with the attention kernel's software prefetch (each row's
                            lines asked for `--ahead` rows before they are read)
+    ..., N FMAs a key      either, with N vector FMAs (8 floats) between one key's reads and the
+                           next: the attention's own count (2 x queries a KV head x head_dim / 8)
+                           and twice it, which is what 8-row products do per key's bytes
     attention              the engine's decode attention (dkv_decode_attn) over the same KV
     weights x1, x8         the engine's linear (dkv_linear) over a decode step's weights (the
                            preset's shapes, LM head included, huge pages) at 1 and 8 rows
@@ -223,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         f"kv, hardware prefetch, {2 * fmas} FMAs a key": lambda: read_kv(probe, kv, 0,
                                                                          args.threads, 2 * fmas),
         "kv, software prefetch": lambda: read_kv(probe, kv, args.ahead, args.threads),
+        f"kv, software prefetch, {fmas} FMAs a key": lambda: read_kv(probe, kv, args.ahead,
+                                                                     args.threads, fmas),
+        f"kv, software prefetch, {2 * fmas} FMAs a key": lambda: read_kv(
+            probe, kv, args.ahead, args.threads, 2 * fmas),
         "attention": lambda: attention(kv, groups, args.threads),
         "weights x1": lambda: weights.read(1, args.threads),
         "weights x8": lambda: weights.read(8, args.threads),

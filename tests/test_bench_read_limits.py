@@ -38,8 +38,9 @@ def test_read_limits_measures_every_row(tmp_path: Path, capfd) -> None:
     result = json.loads(out.read_text())
     # tiny: 2 queries a KV head of 32 floats, 2 x 2 x 32 / 8 = 16 vector FMAs a key
     names = ["sum", "kv, hardware prefetch", "kv, hardware prefetch, 16 FMAs a key",
-             "kv, hardware prefetch, 32 FMAs a key", "kv, software prefetch", "attention",
-             "weights x1", "weights x8"]
+             "kv, hardware prefetch, 32 FMAs a key", "kv, software prefetch",
+             "kv, software prefetch, 16 FMAs a key", "kv, software prefetch, 32 FMAs a key",
+             "attention", "weights x1", "weights x8"]
     assert list(result["rows"]) == names
     for name in names:
         row = result["rows"][name]
