@@ -12,9 +12,12 @@ computes while it reads can reach here, and how near the engine's kernels come t
                            (read_probe.c), the stream left to the hardware prefetcher
     kv, software prefetch  the same with the attention kernel's software prefetch (each row's
                            lines asked for `--ahead` rows before they are read)
-    ..., N FMAs a key      either, with N vector FMAs (8 floats) between one key's reads and the
-                           next: the attention's own count (2 x queries a KV head x head_dim / 8)
-                           and twice it, which is what 8-row products do per key's bytes
+    ... + N FMAs           either, with N vector FMAs (8 floats) a key row between its reads:
+                           operands in registers (the arithmetic alone) or, "a load each", read
+                           from L1 (arithmetic that also keeps the load ports busy, as kernels
+                           with 16 vector registers must). N: the attention's own count a key (2 x
+                           queries a KV head x head_dim / 8, 64 on bench) and twice it, which is
+                           what 8-row products do per key's worth (512 bytes) of weights
     attention              the engine's decode attention (dkv_decode_attn) over the same KV
     weights x1, x8         the engine's linear (dkv_linear) over a decode step's weights (the
                            preset's shapes, LM head included, huge pages) at 1 and 8 rows
@@ -79,7 +82,7 @@ def probe_library() -> ctypes.CDLL:
             os.replace(lib, target)
     lib = ctypes.CDLL(str(target))
     lib.probe_rows.restype = ctypes.c_double
-    lib.probe_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6,
+    lib.probe_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 7,
                                ctypes.c_int]
     return lib
 
@@ -111,11 +114,13 @@ class KV:
         return i64s(k), i64s(v), len(k)
 
 
-def read_kv(lib: ctypes.CDLL, kv: KV, ahead: int, threads: int, work: int = 0) -> float:
-    """GB/s of one pass over every buffer by probe_rows (`work` vector FMAs a row)."""
+def read_kv(lib: ctypes.CDLL, kv: KV, ahead: int, threads: int, fmas: int = 0,
+            fma_loads: bool = False) -> float:
+    """GB/s of one pass over every buffer by probe_rows (`fmas` vector FMAs a row, their
+    operands in registers or, with `fma_loads`, each read from L1)."""
     k, v, units = kv.units()
     t0 = time.perf_counter()
-    lib.probe_rows(k, v, units, kv.context, kv.head_dim, ahead, work, 1, threads)
+    lib.probe_rows(k, v, units, kv.context, kv.head_dim, ahead, fmas, int(fma_loads), 1, threads)
     return kv.nbytes * len(kv.bufs) / (time.perf_counter() - t0) / 1e9
 
 
@@ -221,15 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = {
         "sum": lambda: bandwidth.read(1),
         "kv, hardware prefetch": lambda: read_kv(probe, kv, 0, args.threads),
-        f"kv, hardware prefetch, {fmas} FMAs a key": lambda: read_kv(probe, kv, 0, args.threads,
-                                                                     fmas),
-        f"kv, hardware prefetch, {2 * fmas} FMAs a key": lambda: read_kv(probe, kv, 0,
-                                                                         args.threads, 2 * fmas),
+        f"kv, hardware prefetch + {2 * fmas} FMAs": lambda: read_kv(probe, kv, 0, args.threads,
+                                                                    2 * fmas),
         "kv, software prefetch": lambda: read_kv(probe, kv, args.ahead, args.threads),
-        f"kv, software prefetch, {fmas} FMAs a key": lambda: read_kv(probe, kv, args.ahead,
-                                                                     args.threads, fmas),
-        f"kv, software prefetch, {2 * fmas} FMAs a key": lambda: read_kv(
-            probe, kv, args.ahead, args.threads, 2 * fmas),
+        f"kv, software prefetch + {2 * fmas} FMAs": lambda: read_kv(probe, kv, args.ahead,
+                                                                    args.threads, 2 * fmas),
+        f"kv, software prefetch + {fmas} FMAs, a load each": lambda: read_kv(
+            probe, kv, args.ahead, args.threads, fmas, fma_loads=True),
+        f"kv, software prefetch + {2 * fmas} FMAs, a load each": lambda: read_kv(
+            probe, kv, args.ahead, args.threads, 2 * fmas, fma_loads=True),
         "attention": lambda: attention(kv, groups, args.threads),
         "weights x1": lambda: weights.read(1, args.threads),
         "weights x8": lambda: weights.read(8, args.threads),

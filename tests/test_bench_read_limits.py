@@ -18,15 +18,17 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="no native kernel
 
 @pytest.mark.parametrize("ahead", [0, 12])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("work", [0, 16])
-def test_the_probe_reads_every_float_once_per_pass(ahead: int, threads: int, work: int) -> None:
+@pytest.mark.parametrize(("fmas", "fma_loads"), [(0, 0), (16, 0), (23, 0), (16, 1), (23, 1)])
+def test_the_probe_reads_every_float_once_per_pass(ahead: int, threads: int, fmas: int,
+                                                    fma_loads: int) -> None:
     kv = read_limits.KV(batch=3, context=40, kv_heads=2, head_dim=32, count=2)
     k, v, units = kv.units()
     assert units == 2 * 3 * 2
     want = sum(float(b.double().sum()) for b in kv.bufs)
     lib = read_limits.probe_library()
     for passes in (1, 2):
-        got = lib.probe_rows(k, v, units, kv.context, kv.head_dim, ahead, work, passes, threads)
+        got = lib.probe_rows(k, v, units, kv.context, kv.head_dim, ahead, fmas, fma_loads,
+                             passes, threads)
         assert got == pytest.approx(passes * want, rel=1e-5)
 
 
@@ -37,10 +39,11 @@ def test_read_limits_measures_every_row(tmp_path: Path, capfd) -> None:
                  str(out)]) == 0
     result = json.loads(out.read_text())
     # tiny: 2 queries a KV head of 32 floats, 2 x 2 x 32 / 8 = 16 vector FMAs a key
-    names = ["sum", "kv, hardware prefetch", "kv, hardware prefetch, 16 FMAs a key",
-             "kv, hardware prefetch, 32 FMAs a key", "kv, software prefetch",
-             "kv, software prefetch, 16 FMAs a key", "kv, software prefetch, 32 FMAs a key",
-             "attention", "weights x1", "weights x8"]
+    names = ["sum", "kv, hardware prefetch", "kv, hardware prefetch + 32 FMAs",
+             "kv, software prefetch", "kv, software prefetch + 32 FMAs",
+             "kv, software prefetch + 16 FMAs, a load each",
+             "kv, software prefetch + 32 FMAs, a load each", "attention", "weights x1",
+             "weights x8"]
     assert list(result["rows"]) == names
     for name in names:
         row = result["rows"][name]
