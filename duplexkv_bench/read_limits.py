@@ -26,10 +26,10 @@ All in float32 (the bf16 kernels are not measured here).
 
 KV buffers rotate through a working set larger than the caches; every row is the median of
 `--rounds` rounds, each taking the rows in turn (the order reversed every other round). What the
-session-57 run found (AMD EPYC Zen 2, 2 cores): plain reads reach ~1.1x the sum's rate when the
-hardware prefetcher carries them, but only ~0.8x with software prefetch, and a stream that
-computes between its reads keeps the hardware prefetcher only when it computes little
-(docs/engine.md, "What bounds a decode step on AVX2").
+session-57 run found (AMD EPYC Zen 2, 2 cores): plain reads reach ~1.2x the sum's rate when the
+hardware prefetcher carries them and ~0.87x with software prefetch, a rate that arithmetic alone
+hardly lowers but loads from L1 beside the stream do, and the kernels sit where their loads put
+them (docs/engine.md, "What bounds a decode step on AVX2").
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def probe_library() -> ctypes.CDLL:
     if cc is None:
         raise OSError("no C compiler (cc or gcc) on PATH: install one (e.g. apt install gcc)")
     key = hashlib.sha256(PROBE.read_bytes() + " ".join([cc, *PROBE_FLAGS]).encode()
-                         + cpu_line().encode()).hexdigest()[:16]
+                         + native.cpu_digest().encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"read-probe-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

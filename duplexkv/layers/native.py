@@ -86,7 +86,7 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cpu_digest() -> str:
+def cpu_digest() -> str:  # what -march=native builds for: the architecture and every CPU flag
     try:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
                       if ln.startswith(("flags", "Features"))), "")
@@ -116,7 +116,7 @@ def _build(target: Path) -> None:
 
 def _load() -> ctypes.CDLL | None:
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(
-        COMPILE_FLAGS + LINK_FLAGS).encode() + _cpu_digest().encode()).hexdigest()[:16]
+        COMPILE_FLAGS + LINK_FLAGS).encode() + cpu_digest().encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"duplexkv-kernels-{key}.so"
     if not target.exists():
         _build(target)
