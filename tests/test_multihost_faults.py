@@ -69,11 +69,12 @@ def next_p(r) -> str:
     return ["p0", "p1"][min(range(2), key=lambda i: (ps[i]["outstanding"], ps[i]["picks"]))]
 
 
-def streaming_d(r) -> str:
+def streaming_d(r) -> str | None:
+    """The D host with a leg in flight (the router's view), None when its leg is already over."""
     ds = httpx.get(r.url + "/health", timeout=5).json()["decode"]
     busy = [h for h, w in zip(("d0", "d1"), ds) if w["outstanding"] > 0]
-    assert len(busy) == 1, ds
-    return busy[0]
+    assert len(busy) <= 1, ds
+    return busy[0] if busy else None
 
 
 def wait_all_up(r, timeout_s: float = 30) -> None:
@@ -224,27 +225,34 @@ def test_redis_host_black_holed_between_turns(hosts, oracle):
 
 
 def _mid_stream(r, oracle, fault, heal=None) -> float:
-    from test_router_faults import LONG, stream_with_fault
+    from test_router_faults import LONG, MISSED, TRIES, stream_with_fault
 
-    messages = [{"role": "system", "content": SYSTEM}, user(5)]
     hit: list[str] = []
 
     def apply():
-        hit.append(streaming_d(r))
-        fault(hit[0])
-        return hit[0]
+        d = streaming_d(r)
+        if d is None:  # the router had relayed D's whole answer before the client read 4 events
+            return MISSED
+        hit.append(d)
+        fault(d)
+        return d
 
-    t = time.perf_counter()
-    stream_with_fault(r, messages, lambda: True)  # undisturbed
-    base = time.perf_counter() - t
-    t = time.perf_counter()
-    try:
-        text, usage, _, errors = stream_with_fault(r, messages, apply)
-    finally:
-        if heal and hit:
-            heal(hit[0])
-    took = time.perf_counter() - t
-    assert hit and not errors, errors
+    for attempt in range(TRIES):  # a conversation of its own each: no KV of a missed one
+        messages = [{"role": "system", "content": SYSTEM}, user(5 + attempt)]
+        t = time.perf_counter()
+        stream_with_fault(r, messages, lambda: True)  # undisturbed
+        base = time.perf_counter() - t
+        t = time.perf_counter()
+        try:
+            text, usage, _, errors = stream_with_fault(r, messages, apply)
+        finally:
+            if heal and hit:
+                heal(hit[0])
+        took = time.perf_counter() - t
+        if hit:
+            break
+    assert hit, f"no fault landed mid-stream in {TRIES} conversations"
+    assert not errors, errors
     assert usage["completion_tokens"] == LONG, usage
     assert text == oracle(messages, LONG).text  # token for token, as an undisturbed run
     print(f"mid-stream fault on {hit[0]}: the stream took {took:.2f} s, undisturbed {base:.2f} s")
