@@ -43,7 +43,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -57,14 +56,14 @@ from duplexkv.paths import cache_dir
 from duplexkv_bench.machine_limits import Bandwidth, cpu_line, loadavg
 
 PROBE = Path(__file__).with_name("read_probe.c")
-PROBE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-pthread", "-std=gnu11"]
+PROBE_FLAGS = ["-O3", "-march=native", "-fPIC", "-pthread", "-std=gnu11"]  # no -ffast-math
 # key rows the float32 decode attention asks for ahead: the AVX2 one-pass kernel's FA_AHEAD
 # (native_f32_attn_avx2.h), the AVX-512 three-pass kernel's PREFETCH (native_f32_attn.h)
 AHEAD_AVX2, AHEAD_AVX512 = 12, 16
 
 
 def probe_library() -> ctypes.CDLL:
-    """read_probe.c, compiled once per source and CPU into the kernels' cache."""
+    """read_probe.c, built once per source, compiler and CPU into the kernels' cache."""
     cc = native.compiler()
     if cc is None:
         raise OSError("no C compiler (cc or gcc) on PATH: install one (e.g. apt install gcc)")
@@ -72,14 +71,7 @@ def probe_library() -> ctypes.CDLL:
                          + native.cpu_digest().encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"read-probe-{key}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            lib = Path(tmp) / "p.so"
-            r = subprocess.run([cc, *PROBE_FLAGS, str(PROBE), "-o", str(lib)],
-                               check=False, capture_output=True, text=True, timeout=120)
-            if r.returncode != 0:
-                raise OSError(f"compiling {PROBE} failed: {r.stderr.strip()[:500]}")
-            os.replace(lib, target)
+        native.build_library(target, PROBE, PROBE_FLAGS, native.LINK_FLAGS)
     lib = ctypes.CDLL(str(target))
     lib.probe_rows.restype = ctypes.c_double
     lib.probe_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 7,

@@ -99,19 +99,26 @@ def compiler() -> str | None:  # the kernels' C compiler: $CC, else cc or gcc on
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(target: Path) -> None:
+def build_library(target: Path, source: Path, compile_flags: list[str],
+                  link_flags: list[str]) -> None:
+    """`source` compiled and linked into the shared library `target` (also `bench read_limits`'
+    probe). OSError when there is no compiler or the build fails."""
     cc = compiler()
     if cc is None:
         raise OSError("no C compiler (cc or gcc) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-                    [cc, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"]):
+        for cmd in ([cc, *compile_flags, "-c", str(source), "-o", str(obj)],
+                    [cc, *link_flags, str(obj), "-o", str(lib), "-lm"]):
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
                 raise OSError(f"{' '.join(cmd)} failed: {r.stderr.strip()[:500]}")
         os.replace(lib, target)  # atomic: workers building at once each get a whole file
+
+
+def _build(target: Path) -> None:
+    build_library(target, SOURCE, COMPILE_FLAGS, LINK_FLAGS)
 
 
 def _load() -> ctypes.CDLL | None:
