@@ -187,6 +187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if min(args.batch, args.context, args.rounds, args.threads, args.working_set_mib,
            args.sum_mib) < 1 or (args.ahead or 0) < 0:
         ap.error("sizes, --rounds and --threads must be >= 1, --ahead >= 0")
+    if args.json is not None and not args.json.parent.is_dir():
+        ap.error(f"--json: {args.json.parent} is not a directory")
     if args.ahead is None:
         args.ahead = AHEAD_AVX512 if "avx512f" in (read_cpu_flags() or ()) else AHEAD_AVX2
     return args

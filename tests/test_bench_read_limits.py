@@ -54,7 +54,8 @@ def test_read_limits_measures_every_row(tmp_path: Path, capfd) -> None:
 
 @pytest.mark.parametrize(("argv", "named"), [(["--rounds", "0"], "--rounds"),
                                               (["--ahead", "-1"], "--ahead"),
-                                              (["--preset", "nope"], "--preset")])
+                                              (["--preset", "nope"], "--preset"),
+                                              (["--json", "/nonexistent/x.json"], "--json")])
 def test_bad_arguments_get_a_clear_error(argv: list[str], named: str, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["bench", "read_limits", *argv])
