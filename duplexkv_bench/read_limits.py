@@ -41,7 +41,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,11 +48,10 @@ from pathlib import Path
 import torch
 
 from duplexkv.engine.dtype import read_cpu_flags
-from duplexkv.engine.process_env import WORKER_ENV_DEFAULTS
 from duplexkv.layers import hugepages, native
 from duplexkv.model.presets import PRESETS, get_preset
 from duplexkv.paths import cache_dir
-from duplexkv_bench.machine_limits import Bandwidth, cpu_line, loadavg
+from duplexkv_bench.machine_limits import Bandwidth, cpu_line, in_worker_env, loadavg
 
 PROBE = Path(__file__).with_name("read_probe.c")
 PROBE_FLAGS = ["-O3", "-march=native", "-fPIC", "-pthread", "-std=gnu11"]  # no -ffast-math
@@ -196,14 +194,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if "OMP_WAIT_POLICY" not in os.environ:
-        # torch's OpenMP threads would spin on the measured cores after every torch call (the
-        # sum): plain reads at 0.64 of the sum's rate instead of 1.20. libgomp reads the policy
-        # when it loads, so the run goes to a process started with a worker's environment
-        env = {**WORKER_ENV_DEFAULTS, **os.environ}
-        argv = sys.argv[1:] if argv is None else argv
-        return subprocess.run([sys.executable, "-m", "duplexkv_bench.read_limits", *argv],
-                              env=env, check=False).returncode
+    rerun = in_worker_env("duplexkv_bench.read_limits", sys.argv[1:] if argv is None else argv)
+    if rerun is not None:
+        return rerun
     if native.library() is None:
         print("the native kernels are not available (DUPLEXKV_NATIVE=0, or no C compiler): "
               "nothing to measure them by", flush=True)

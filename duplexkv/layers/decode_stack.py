@@ -15,6 +15,9 @@ of the step decodes one token (no prefill chunk in the step) and has a mirror (s
 there are at most `linear.NATIVE_ROWS` of them (more go to another product in `linear`). Any
 other step takes the layer-by-layer path. `DUPLEXKV_DECODE_STACK=0` turns it off (A/B).
 
+`profile(True)` has each step time its parts on the calling thread (bench decode_profile);
+`profile(False)` turns that off again and returns what it measured.
+
 The C side trusts the addresses it gets; `__call__` checks every shape, stride and bound first
 (token ids against the embedding's rows, positions against the RoPE tables'). The weights'
 addresses are taken once (`DecodeStack.__init__`): the model's float32 parameters are loaded in
@@ -53,6 +56,35 @@ class DecodeRows(ctypes.Structure):  # struct dkv_decode_rows
     _fields_ = [("B", _i64), ("ids", _ptr), ("embed", _ptr), ("cos", _ptr), ("sin", _ptr),
                 ("norm", _ptr), ("mirror", _ptr), ("cap", _ptr), ("pos", _ptr), ("pool", _ptr),
                 ("slot", _ptr), ("pool_layer", _i64), ("pool_kv", _i64)]
+
+
+# a step's parts as native_f32_decode.h times them (enum DP_*, in order; then the whole call)
+PARTS = ("norms", "qkv", "rope", "kv writes", "attention", "o", "gate_up", "silu", "down")
+
+
+@dataclass(frozen=True, slots=True)
+class StackProfile:
+    """What the steps run while profiling was on took, per part and in all (ms a step)."""
+    steps: int
+    part_ms: dict[str, float]  # PARTS -> wall time a step on the calling thread
+    call_ms: float  # the whole native call a step (the parts and the embedding, RoPE rows, etc.)
+
+
+def profile(on: bool) -> StackProfile:
+    """The steps' times since the last call (zero steps if profiling was off), then zeroed;
+    profiling on from now if `on`. Only with the native kernels built (`runs_here`)."""
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("decode stack: the native kernels are not available")
+    out = (_i64 * (len(PARTS) + 2))()
+    parts = lib.dkv_decode_profile(int(on), ctypes.addressof(out))
+    if parts != len(PARTS) + 1:
+        raise RuntimeError(f"decode stack: the kernels time {parts} parts, expected "
+                           f"{len(PARTS) + 1}")
+    steps = out[len(PARTS) + 1]
+    per = 1e-6 / steps if steps else 0.0
+    return StackProfile(steps, {name: out[i] * per for i, name in enumerate(PARTS)},
+                        out[len(PARTS)] * per)
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,7 @@ _SIGNATURES = {  # the kernels' C functions: (restype, argtypes)
     "dkv_f32_attention": (_int, _CAUSAL),
     "dkv_f32_attention_ok": (_int, []),
     "dkv_f32_decode_step": (_int, [_f32p] * 4 + [_int]),
+    "dkv_decode_profile": (_int, [_int, _f32p]),
 }
 _lib: ctypes.CDLL | None = None
 _tried = False

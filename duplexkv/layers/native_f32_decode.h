@@ -44,10 +44,45 @@ struct dkv_decode_rows {
     int64_t pool_layer, pool_kv;
 };
 
+/* Profiling (bench decode_profile): while it is on, each step adds every part's wall time on the
+ * calling thread to that part's total; off (the default) a part costs one load of the flag. One
+ * decode stack at a time per process (an engine's thread), as it runs. */
+enum { DP_NORMS, DP_QKV, DP_ROPE, DP_KV_WRITES, DP_ATTENTION, DP_O, DP_GATE_UP, DP_SILU, DP_DOWN,
+       DP_CALL, DP_PARTS };
+static _Atomic int dp_on;
+static int64_t dp_ns[DP_PARTS], dp_steps;
+
+/* The totals since the last call (ns per part, DP_CALL the whole calls) and the steps they cover
+ * into out[DP_PARTS + 1], then zeroed; profiling on from now if `on`. Returns DP_PARTS. */
+int dkv_decode_profile(int on, int64_t *out) {
+    for (int i = 0; i < DP_PARTS; i++) out[i] = dp_ns[i], dp_ns[i] = 0;
+    out[DP_PARTS] = dp_steps, dp_steps = 0;
+    atomic_store(&dp_on, on != 0);
+    return DP_PARTS;
+}
+
+#define DP_TIMED(part, ...)                                                                    \
+    do {                                                                                       \
+        const int64_t t_ = atomic_load_explicit(&dp_on, memory_order_relaxed) ? now_ns() : 0;   \
+        __VA_ARGS__;                                                                           \
+        if (t_) dp_ns[part] += now_ns() - t_;                                                  \
+    } while (0)
+
+static int decode_step(const struct dkv_layer_weights *lw, const struct dkv_stack_dims *dm,
+                       const struct dkv_decode_rows *s, float *out, int nthreads);
+
 /* out [B, hidden]: the final norm's output. Returns 0, or -1 if a buffer could not be allocated
  * or attention refused the shape. */
 int dkv_f32_decode_step(const struct dkv_layer_weights *lw, const struct dkv_stack_dims *dm,
                         const struct dkv_decode_rows *s, float *out, int nthreads) {
+    int rc;
+    DP_TIMED(DP_CALL, rc = decode_step(lw, dm, s, out, nthreads));
+    if (atomic_load_explicit(&dp_on, memory_order_relaxed)) dp_steps++;
+    return rc;
+}
+
+static int decode_step(const struct dkv_layer_weights *lw, const struct dkv_stack_dims *dm,
+                       const struct dkv_decode_rows *s, float *out, int nthreads) {
     const int64_t B = s->B, Hd = dm->hidden, H = dm->heads, KVH = dm->kv_heads, D = dm->head_dim;
     const int64_t I = dm->inter, NQKV = (H + 2 * KVH) * D, L = dm->layers, half = D / 2;
     if (B < 1 || B > 16 || KVH < 1 || H % KVH) return -1;
@@ -75,35 +110,44 @@ int dkv_f32_decode_step(const struct dkv_layer_weights *lw, const struct dkv_sta
     int rc = 0;
     for (int64_t l = 0; l < L && rc == 0; l++) {
         const struct dkv_layer_weights *w = lw + l;
-        dkv_add_rmsnorm(x, l ? y : NULL, w->in_norm, h, B, Hd, dm->eps, nthreads);
-        dkv_linear(h, w->qkv, qkv, B, NQKV, Hd, nthreads);
-        if (w->qkv_bias)
-            for (int64_t b = 0; b < B; b++)
-                for (int64_t n = 0; n < NQKV; n++) qkv[b * NQKV + n] += w->qkv_bias[n];
-        dkv_qk_norm_rope(qkv, NQKV, w->qk_norm, cs, sn, q, k, B, H, KVH, D, dm->qk_eps, nthreads);
-        for (int64_t b = 0; b < B; b++) {
-            const float *kr = k + b * KVH * D, *vr = qkv + b * NQKV + (H + KVH) * D;
-            float *slot = s->pool + s->slot[b] + l * s->pool_layer;
-            memcpy(slot, kr, row_bytes);
-            memcpy(slot + s->pool_kv, vr, row_bytes);
-            const int64_t cap = s->cap[b], plane = KVH * cap * D; /* one layer's K or V */
-            float *mk = (float *)(intptr_t)s->mirror[b] + 2 * l * plane, *mv = mk + plane;
-            for (int64_t hh = 0; hh < KVH; hh++) {
-                memcpy(mk + (hh * cap + s->pos[b]) * D, kr + hh * D, (size_t)D * sizeof(float));
-                memcpy(mv + (hh * cap + s->pos[b]) * D, vr + hh * D, (size_t)D * sizeof(float));
+        DP_TIMED(DP_NORMS,
+                 dkv_add_rmsnorm(x, l ? y : NULL, w->in_norm, h, B, Hd, dm->eps, nthreads));
+        DP_TIMED(DP_QKV, {
+            dkv_linear(h, w->qkv, qkv, B, NQKV, Hd, nthreads);
+            if (w->qkv_bias)
+                for (int64_t b = 0; b < B; b++)
+                    for (int64_t n = 0; n < NQKV; n++) qkv[b * NQKV + n] += w->qkv_bias[n];
+        });
+        DP_TIMED(DP_ROPE, dkv_qk_norm_rope(qkv, NQKV, w->qk_norm, cs, sn, q, k, B, H, KVH, D,
+                                           dm->qk_eps, nthreads));
+        DP_TIMED(DP_KV_WRITES, {
+            for (int64_t b = 0; b < B; b++) {
+                const float *kr = k + b * KVH * D, *vr = qkv + b * NQKV + (H + KVH) * D;
+                float *slot = s->pool + s->slot[b] + l * s->pool_layer;
+                memcpy(slot, kr, row_bytes);
+                memcpy(slot + s->pool_kv, vr, row_bytes);
+                const int64_t cap = s->cap[b], plane = KVH * cap * D; /* one layer's K or V */
+                float *mk = (float *)(intptr_t)s->mirror[b] + 2 * l * plane, *mv = mk + plane;
+                const size_t head_bytes = (size_t)D * sizeof(float);
+                for (int64_t hh = 0; hh < KVH; hh++) {
+                    memcpy(mk + (hh * cap + s->pos[b]) * D, kr + hh * D, head_bytes);
+                    memcpy(mv + (hh * cap + s->pos[b]) * D, vr + hh * D, head_bytes);
+                }
+                kb[b] = (int64_t)(intptr_t)mk, vb[b] = (int64_t)(intptr_t)mv;
+                hs[b] = cap * D, rs[b] = D, len[b] = s->pos[b] + 1;
             }
-            kb[b] = (int64_t)(intptr_t)mk, vb[b] = (int64_t)(intptr_t)mv;
-            hs[b] = cap * D, rs[b] = D, len[b] = s->pos[b] + 1;
-        }
-        rc = dkv_decode_attn(q, o, kb, vb, hs, rs, len, B, KVH, H / KVH, D, dm->scale, nthreads);
+        });
+        DP_TIMED(DP_ATTENTION, rc = dkv_decode_attn(q, o, kb, vb, hs, rs, len, B, KVH, H / KVH, D,
+                                                   dm->scale, nthreads));
         if (rc) break;
-        dkv_linear(o, w->o, a, B, Hd, H * D, nthreads);
-        dkv_add_rmsnorm(x, a, w->post_norm, h, B, Hd, dm->eps, nthreads);
-        dkv_linear(h, w->gate_up, gu, B, 2 * I, Hd, nthreads);
-        dkv_silu_mul(gu, sm, B, I, nthreads);
-        dkv_linear(sm, w->down, y, B, Hd, I, nthreads);
+        DP_TIMED(DP_O, dkv_linear(o, w->o, a, B, Hd, H * D, nthreads));
+        DP_TIMED(DP_NORMS, dkv_add_rmsnorm(x, a, w->post_norm, h, B, Hd, dm->eps, nthreads));
+        DP_TIMED(DP_GATE_UP, dkv_linear(h, w->gate_up, gu, B, 2 * I, Hd, nthreads));
+        DP_TIMED(DP_SILU, dkv_silu_mul(gu, sm, B, I, nthreads));
+        DP_TIMED(DP_DOWN, dkv_linear(sm, w->down, y, B, Hd, I, nthreads));
     }
-    if (rc == 0) dkv_add_rmsnorm(x, y, s->norm, out, B, Hd, dm->eps, nthreads);
+    if (rc == 0)
+        DP_TIMED(DP_NORMS, dkv_add_rmsnorm(x, y, s->norm, out, B, Hd, dm->eps, nthreads));
     free(meta);
     free(buf);
     return rc ? -1 : 0;

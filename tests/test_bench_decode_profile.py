@@ -1,0 +1,65 @@
+"""`duplexkv bench decode_profile` on the tiny preset: the decode stack times exactly the steps run
+while profiling is on, and the bench prints and writes every part of every case."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from duplexkv import LLM, SamplingParams
+from duplexkv.cli import main
+from duplexkv.layers import decode_stack, native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no native kernels (no compiler)")
+
+
+def test_the_stack_times_the_steps_run_while_profiling_is_on() -> None:
+    llm = LLM("tiny", dtype="float32", enable_prefix_caching=False)
+    engine = llm.engine
+    rng = random.Random(0)
+    for _ in range(2):
+        engine.add_request([rng.randrange(3, 200) for _ in range(40)],
+                           SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()  # profiling off: not counted
+    assert decode_stack.profile(True).steps == 0
+    for _ in range(5):
+        engine.step()
+    got = decode_stack.profile(False)
+    assert got.steps == 5
+    assert set(got.part_ms) == set(decode_stack.PARTS)
+    assert all(ms >= 0 for ms in got.part_ms.values())
+    for part in ("qkv", "attention", "o", "gate_up", "down"):
+        assert got.part_ms[part] > 0, part
+    assert 0 < sum(got.part_ms.values()) <= got.call_ms
+    engine.step()  # off again
+    assert decode_stack.profile(False).steps == 0
+
+
+def test_decode_profile_prints_and_writes_every_part(tmp_path: Path, capfd) -> None:
+    out = tmp_path / "profile.json"
+    assert main(["bench", "decode_profile", "--preset", "tiny", "--contexts", "64",
+                 "--batches", "1", "2", "--steps", "4", "--json", str(out)]) == 0
+    printed = capfd.readouterr().out
+    for part in (*decode_stack.PARTS, "stack other", "LM head", "engine", "**step**"):
+        assert printed.count(f"| {part} |") == 2, part
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["context"], c["batch"]) for c in cases] == [(64, 1), (64, 2)]
+    for c in cases:
+        assert c["ms"]["step"] > 0 and c["ms"]["attention"] > 0 and c["ms"]["LM head"] > 0
+        # the parts add up to the step: the stack's rest and the engine are what is left
+        assert sum(v for k, v in c["ms"].items() if k != "step") == pytest.approx(c["ms"]["step"])
+        # K and V x 2 layers x 1 KV head x 32 x (64 + 5 warm + 4 / 2 steps) x batch x 4 bytes
+        assert c["bytes"]["attention"] == 2 * 2 * 1 * 32 * (64 + 5 + 2) * c["batch"] * 4
+
+
+@pytest.mark.parametrize("argv", [["--batches", "17"], ["--steps", "0"], ["--contexts", "0"],
+                                  ["--json", "/nonexistent-dir/x.json"]])
+def test_decode_profile_refuses_bad_arguments(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "decode_profile", *argv])
+    assert e.value.code == 2
