@@ -15,7 +15,12 @@ parts far below it are where a step loses to its floor.
       kv writes             pool and the mirrors (no bytes counted: a few KB)
     stack other             the rest of the native call (the embedding rows, buffers)
     LM head                 the logits' product (bytes: the LM head's weight)
-    engine                  the step outside both: scheduling, inputs, sampling, outputs
+    engine                  the step outside both: scheduling, inputs, the stack's checks of
+                            its arguments, sampling, outputs
+
+The KV bytes count every sequence at the same length (its prompt, the warm-up steps and half the
+measured ones); in a batch the first sequences decode while the last prefill, up to a few tokens
+more.
 
     duplexkv bench decode_profile [--contexts 4096] [--batches 1 8] [--steps 100]
         [--preset bench] [--json FILE]
@@ -35,7 +40,7 @@ import torch
 
 from duplexkv import LLM, SamplingParams
 from duplexkv.flags import Accumulate
-from duplexkv.layers import decode_stack
+from duplexkv.layers import decode_stack, linear
 from duplexkv.model.presets import PRESETS, get_preset
 from duplexkv_bench.machine_limits import Bandwidth, Shape, cpu_line, in_worker_env, loadavg
 
@@ -136,14 +141,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--contexts", type=int, nargs="+", action=Accumulate, default=[4096],
                     help="tokens of each sequence's prompt")
     ap.add_argument("--batches", type=int, nargs="+", action=Accumulate, default=[1, 8],
-                    help="sequences decoding together (the native stack takes up to 16)")
+                    help="sequences decoding together (the native stack takes up to "
+                         f"{linear.NATIVE_ROWS})")
     ap.add_argument("--steps", type=int, default=100, help="decode steps measured per case")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if min(args.contexts) < 1 or args.steps < 1 or not 1 <= min(args.batches) \
-            or max(args.batches) > 16:
-        ap.error("--contexts and --steps must be >= 1, --batches 1 to 16")
+            or max(args.batches) > linear.NATIVE_ROWS:
+        ap.error(f"--contexts and --steps must be >= 1, --batches 1 to {linear.NATIVE_ROWS}")
     if args.json is not None and not args.json.parent.is_dir():
         ap.error(f"--json: {args.json.parent} is not a directory")
     return args
