@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -157,7 +156,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rerun = in_worker_env("duplexkv_bench.decode_profile", sys.argv[1:] if argv is None else argv)
+    rerun = in_worker_env("duplexkv_bench.decode_profile", argv)
     if rerun is not None:
         return rerun
     if not decode_stack.DecodeStack.runs_here():

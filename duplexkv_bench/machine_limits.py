@@ -185,10 +185,10 @@ def settle(busy_below: float = 0.1, window: float = 0.1, limit: float = 3.0) -> 
     return time.monotonic() - start
 
 
-def in_worker_env(module: str, argv: list[str]) -> int | None:
+def in_worker_env(module: str, argv: list[str] | None) -> int | None:
     """None if this process runs with a worker's OpenMP wait policy; else `module` (a bench's)
-    is run again with `argv` in a process started with the worker's environment, and its exit
-    code returned. Without it torch's OpenMP threads spin after every torch call on the cores a
+    is run again with `argv` (None: this process's arguments) in a process started with the
+    worker's environment, and its exit code returned. Without it torch's OpenMP threads spin after every torch call on the cores a
     measurement uses (plain reads at 0.64 of the sum's rate instead of 1.20, AMD EPYC Zen 2), and
     libgomp reads the policy only when it loads."""
     if "OMP_WAIT_POLICY" in os.environ:
@@ -198,6 +198,7 @@ def in_worker_env(module: str, argv: list[str]) -> int | None:
 
     from duplexkv.engine.process_env import WORKER_ENV_DEFAULTS
 
+    argv = sys.argv[1:] if argv is None else argv
     return subprocess.run([sys.executable, "-m", module, *argv],
                           env={**WORKER_ENV_DEFAULTS, **os.environ}, check=False).returncode
 

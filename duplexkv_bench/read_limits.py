@@ -41,7 +41,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -194,7 +193,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rerun = in_worker_env("duplexkv_bench.read_limits", sys.argv[1:] if argv is None else argv)
+    rerun = in_worker_env("duplexkv_bench.read_limits", argv)
     if rerun is not None:
         return rerun
     if native.library() is None:
