@@ -188,9 +188,9 @@ def settle(busy_below: float = 0.1, window: float = 0.1, limit: float = 3.0) -> 
 def in_worker_env(module: str, argv: list[str] | None) -> int | None:
     """None if this process runs with a worker's OpenMP wait policy; else `module` (a bench's)
     is run again with `argv` (None: this process's arguments) in a process started with the
-    worker's environment, and its exit code returned. Without it torch's OpenMP threads spin after every torch call on the cores a
-    measurement uses (plain reads at 0.64 of the sum's rate instead of 1.20, AMD EPYC Zen 2), and
-    libgomp reads the policy only when it loads."""
+    worker's environment, and its exit code returned. Without it torch's OpenMP threads spin
+    after every torch call on the cores a measurement uses (plain reads at 0.64 of the sum's rate
+    instead of 1.20, AMD EPYC Zen 2), and libgomp reads the policy only when it loads."""
     if "OMP_WAIT_POLICY" in os.environ:
         return None
     import subprocess
