@@ -46,6 +46,12 @@ from duplexkv_bench.machine_limits import Bandwidth, Shape, cpu_line, in_worker_
 WARM_STEPS = 5
 
 
+def preset_shape(preset: str) -> Shape:
+    c = get_preset(preset)
+    return Shape(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                 c.intermediate_size, c.vocab_size)
+
+
 def part_bytes(shape: Shape, context: float, batch: int) -> dict[str, float]:
     """Bytes a step's parts must read in float32 (context: the sequences' mean length)."""
     s, f = shape, 4
@@ -163,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print("the native decode stack does not run here (DUPLEXKV_NATIVE=0, "
               "DUPLEXKV_DECODE_STACK=0 or no C compiler): nothing to profile", flush=True)
         return 2
-    c = get_preset(args.preset)
-    shape = Shape(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                  c.intermediate_size, c.vocab_size)
+    shape = preset_shape(args.preset)
     longest = max(args.contexts) + WARM_STEPS + args.steps + max(args.batches) + 8
     blocks = max(args.batches) * (longest // 16 + 2) + 16
     llm = LLM(args.preset, dtype="float32", enable_prefix_caching=False,

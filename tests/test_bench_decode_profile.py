@@ -12,6 +12,7 @@ import pytest
 from duplexkv import LLM, SamplingParams
 from duplexkv.cli import main
 from duplexkv.layers import decode_stack, native
+from duplexkv_bench.decode_profile import preset_shape
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native kernels (no compiler)")
 
@@ -55,6 +56,9 @@ def test_decode_profile_prints_and_writes_every_part(tmp_path: Path, capfd) -> N
         assert sum(v for k, v in c["ms"].items() if k != "step") == pytest.approx(c["ms"]["step"])
         # K and V x 2 layers x 1 KV head x 32 x (64 + 5 warm + 4 / 2 steps) x batch x 4 bytes
         assert c["bytes"]["attention"] == 2 * 2 * 1 * 32 * (64 + 5 + 2) * c["batch"] * 4
+        # the parts' bytes are the floor `bench vs_vllm` divides by, split
+        assert sum(c["bytes"].values()) == pytest.approx(
+            preset_shape("tiny").decode_bytes(64 + 5 + 2, c["batch"], "float32"))
 
 
 @pytest.mark.parametrize("argv", [["--batches", "17"], ["--steps", "0"], ["--contexts", "0"],
