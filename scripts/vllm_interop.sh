@@ -79,7 +79,26 @@ trap 'exit 143' TERM
 "$DUPLEXKV_PYTHON" -m duplexkv.cli make-model "$WORK/model" --preset "$PRESET" >/dev/null
 log "model: preset $PRESET in $WORK/model"
 
-free_port() { "$DUPLEXKV_PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# A free port below the kernel's ephemeral range. A port the kernel hands out for port 0 (as this
+# used to take) is one it hands out again meanwhile: to vLLM's own internal sockets, which bind
+# port 0 too, and to outgoing connections. CI saw D's NIXL side channel fail to bind so ("Address
+# already in use", its handshake listener thread dead) and D never get ready.
+free_port() {
+  "$DUPLEXKV_PYTHON" - <<'PY'
+import random, socket
+lo, hi = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+ports = [p for p in range(10000, 65536) if not lo <= p <= hi]
+random.shuffle(ports)
+for p in ports:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        print(p)
+        break
+PY
+}
 
 start() {  # start NAME CMD...: in its own process group, output to $WORK/NAME.log
   local name=$1; shift
@@ -91,6 +110,9 @@ wait_ready() {  # wait_ready NAME URL PID: /health answers 200, or fail if the p
   local name=$1 url=$2 pid=$3 deadline=$((SECONDS + START_TIMEOUT))
   until curl -sf -o /dev/null "$url/health"; do
     kill -0 "$pid" 2>/dev/null || { echo "vllm_interop: $name exited before it was ready" >&2; exit 1; }
+    # a listener that could not bind leaves vLLM up but never ready: say so now, not at the deadline
+    ! grep -q "Address already in use" "$WORK/$name.log" 2>/dev/null || {
+      echo "vllm_interop: $name could not bind a port:" >&2; grep -m1 "Address already in use" "$WORK/$name.log" >&2; exit 1; }
     (( SECONDS < deadline )) || { echo "vllm_interop: $name not ready in $START_TIMEOUT s" >&2; exit 1; }
     sleep 1
   done
