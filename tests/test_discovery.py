@@ -43,6 +43,7 @@ from duplexkv.discovery.record import Capacity, DiscoveryURL, Registration, enco
 from duplexkv.discovery.registrar import Registrar
 from duplexkv.discovery.watcher import Snapshot, Watcher
 from duplexkv.launch import spawn, wait_ready
+from duplexkv.launch.ports import free_port
 from duplexkv.router.backends import BackendPool
 from duplexkv.router.membership import Membership
 from duplexkv.router.metrics import RouterMetrics
@@ -50,12 +51,6 @@ from duplexkv.router.metrics import RouterMetrics
 PASSWORD = "disc-" + secrets.token_hex(8)
 HEARTBEAT = 1.0  # the workers' heartbeat here; the router reads the registry every POLL
 POLL = 0.25
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_redis(tmp: Path, port: int) -> subprocess.Popen:

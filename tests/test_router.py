@@ -9,7 +9,6 @@ import asyncio
 import json
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -32,6 +31,7 @@ from workers import (
 
 from duplexkv import LLM, SamplingParams
 from duplexkv.launch import spawn, wait_ready
+from duplexkv.launch.ports import free_port
 from duplexkv.router.backends import BackendPool
 from duplexkv.router.conversation.store import Entry, MemoryStore, RedisStore, conversation_key
 from duplexkv.router.health import HealthChecker
@@ -486,7 +486,7 @@ def test_503_when_every_decode_worker_is_down_or_answers_503(workers, tiny_model
     and the next D serves; when it is the only D, 503. No router body ever names a worker's
     address or the model's path."""
     p, d = workers
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     stub = _Answers503()
     messages = [{"role": "system", "content": SYSTEM}, user(12)]
     body = {"model": MODEL, "messages": messages, "max_tokens": OUT, "temperature": 0,
@@ -567,12 +567,6 @@ def test_live_router_bodies_name_no_worker_address(router, tiny_model_dir):
 
 
 # --- Redis: several routers share conversations ---
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def redis_url(tmp):
     exe = shutil.which("redis-server")
@@ -581,7 +575,7 @@ def redis_url(tmp):
                      ".ci/run installs it)")
     import redis
 
-    port = _free_port()
+    port = free_port()
     with open(tmp / "redis.log", "wb") as fh:
         proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                  "--appendonly", "no"], stdout=fh, stderr=subprocess.STDOUT)

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_router import ARGS, MODEL, _free_port, bidi, start_router
+from test_router import ARGS, MODEL, bidi, start_router
 from workers import start_p_and_d, stopping
 
+from duplexkv.launch.ports import free_port
 from duplexkv.router.conversation.breaker import Breaker, BreakerOpen
 from duplexkv.router.conversation.store import GuardedStore, MemoryStore
 
@@ -247,7 +248,7 @@ def redis_proc(tmp):
         pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
     import redis
 
-    port = _free_port()
+    port = free_port()
     log = tmp / f"redis-{port}.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",

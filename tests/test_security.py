@@ -555,7 +555,8 @@ def test_router_health_and_metrics_show_no_redis_url_or_password(tmp):
 
     import httpx
     from test_router import start_router
-    from workers import free_port
+
+    from duplexkv.launch.ports import free_port
 
     exe = shutil.which("redis-server")
     if exe is None:

@@ -19,6 +19,7 @@ import pytest
 
 from duplexkv.launch import Proc, spawn, wait_ready, worker_args
 from duplexkv.launch import worker_env as worker_env  # re-exported: tests build environments
+from duplexkv.launch.ports import free_port as free_port  # re-exported: tests take ports here
 from duplexkv.wire.kv_params import miss_params
 
 DUPLEXKV = str(Path(sys.executable).parent / "duplexkv")
@@ -70,12 +71,6 @@ def raw_exchange(host: str, port: int, data: bytes, timeout_s: float = 10) -> by
         return got
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
