@@ -5,6 +5,8 @@ harness (duplexkv_bench/hosts) and the tests start their processes here.
                  `duplexkv ARGS` in a worker's environment), its log, its readiness, its stop
     cluster.py   worker_args / router_args / bidirectional_kv, and Cluster(ClusterSpec): a router
                  in front of N prefill + N decode workers on localhost
+    ports.py     free_port: a port to tell a program before it binds it (vLLM, NIXL side
+                 channels, Redis), outside the kernel's ephemeral range
 """
 
 from duplexkv.launch.cluster import (Cluster, ClusterSpec, bidirectional_kv, router_args,
