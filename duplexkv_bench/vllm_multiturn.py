@@ -37,8 +37,7 @@ from pathlib import Path
 import httpx
 
 from duplexkv.flags import Accumulate
-from duplexkv.launch import LaunchError, router_args, spawn, start, wait_ready
-from duplexkv.launch.ports import free_port
+from duplexkv.launch import LaunchError, free_port, router_args, spawn, start, wait_ready
 from duplexkv.model.registry import resolve_model
 from duplexkv_bench import vllm_venv
 from duplexkv_bench.client import RequestFailed, Result, Target, chat_turn

@@ -11,9 +11,10 @@ harness (duplexkv_bench/hosts) and the tests start their processes here.
 
 from duplexkv.launch.cluster import (Cluster, ClusterSpec, bidirectional_kv, router_args,
                                      worker_args)
+from duplexkv.launch.ports import free_port
 from duplexkv.launch.process import (WORKER_ENV_DEFAULTS, LaunchError, Proc, spawn, start,
                                      stop_all, wait_ready, worker_env)
 
 __all__ = ["Cluster", "ClusterSpec", "LaunchError", "Proc", "WORKER_ENV_DEFAULTS",
-           "bidirectional_kv", "router_args", "spawn", "start", "stop_all", "wait_ready",
-           "worker_args", "worker_env"]
+           "bidirectional_kv", "free_port", "router_args", "spawn", "start", "stop_all",
+           "wait_ready", "worker_args", "worker_env"]
