@@ -38,7 +38,7 @@ SCRIPTS = {
     "sampler_cost": "one row's sampling per vocabulary size and setting (--old TREE beside it)",
     "read_limits": "how fast a decode step's bytes read here: plain reads (hardware / software "
                    "prefetch) and the kernels beside the floor's bandwidth",
-    "decode_profile": "a float32 decode step kernel by kernel: each part's time and its bytes' "
+    "decode_profile": "a decode step kernel by kernel: each part's time and its bytes' "
                       "share of the floor's bandwidth",
 }
 

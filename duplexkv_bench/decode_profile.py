@@ -1,5 +1,5 @@
-"""Where a float32 decode step's time goes, kernel by kernel, each beside the bytes it must read
-and the floor's bandwidth, on the engine (`LLM`, one process).
+"""Where a decode step's time goes, kernel by kernel, each beside the bytes it must read and the
+floor's bandwidth, on the engine (`LLM`, one process).
 
 `bench vs_vllm` gives a decode step as one share of its bandwidth floor (the step's weight and KV
 bytes over the rate of a 1 GiB sum); `bench read_limits` shows what plain reads and the kernels
@@ -22,8 +22,14 @@ The KV bytes count every sequence at the same length (its prompt, the warm-up st
 measured ones); in a batch the first sequences decode while the last prefill, up to a few tokens
 more.
 
-    duplexkv bench decode_profile [--contexts 4096] [--batches 1 8] [--steps 100]
-        [--preset bench] [--json FILE]
+`--dtype auto` (the default) profiles the dtype a worker's `--dtype auto` picks on this CPU
+(engine/dtype.py; printed with its reason); float32 runs native_f32_decode.h's step, bfloat16
+native_bf16_decode.h's on the packed bf16 kernel (AMX or AVX-512 BF16; refused where neither
+runs). In bf16 every part reads half the bytes; its gate/up product computes SiLU x up as well
+(the silu part stays 0).
+
+    duplexkv bench decode_profile [--dtype auto] [--contexts 4096] [--batches 1 8]
+        [--steps 100] [--preset bench] [--json FILE]
 """
 
 from __future__ import annotations
@@ -38,10 +44,18 @@ from pathlib import Path
 import torch
 
 from duplexkv import LLM, SamplingParams
+from duplexkv.engine.dtype import read_cpu_flags, resolve_dtype
 from duplexkv.flags import Accumulate
 from duplexkv.layers import decode_stack, linear
 from duplexkv.model.presets import PRESETS, get_preset
-from duplexkv_bench.machine_limits import Bandwidth, Shape, cpu_line, in_worker_env, loadavg
+from duplexkv_bench.machine_limits import (
+    DTYPE_BYTES,
+    Bandwidth,
+    Shape,
+    cpu_line,
+    in_worker_env,
+    loadavg,
+)
 
 WARM_STEPS = 5
 
@@ -52,9 +66,9 @@ def preset_shape(preset: str) -> Shape:
                  c.intermediate_size, c.vocab_size)
 
 
-def part_bytes(shape: Shape, context: float, batch: int) -> dict[str, float]:
-    """Bytes a step's parts must read in float32 (context: the sequences' mean length)."""
-    s, f = shape, 4
+def part_bytes(shape: Shape, context: float, batch: int, dtype: str) -> dict[str, float]:
+    """Bytes a step's parts must read in `dtype` (context: the sequences' mean length)."""
+    s, f = shape, DTYPE_BYTES[dtype]
     qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
     return {"qkv": s.layers * qkv * s.hidden * f,
             "o": s.layers * s.hidden * s.heads * s.head_dim * f,
@@ -143,6 +157,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="duplexkv bench decode_profile",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="bench", choices=sorted(PRESETS))
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: the dtype a worker's --dtype auto picks on this CPU")
     ap.add_argument("--contexts", type=int, nargs="+", action=Accumulate, default=[4096],
                     help="tokens of each sequence's prompt")
     ap.add_argument("--batches", type=int, nargs="+", action=Accumulate, default=[1, 8],
@@ -165,34 +181,42 @@ def main(argv: list[str] | None = None) -> int:
     rerun = in_worker_env("duplexkv_bench.decode_profile", argv)
     if rerun is not None:
         return rerun
-    if not decode_stack.DecodeStack.runs_here():
-        print("the native decode stack does not run here (DUPLEXKV_NATIVE=0, "
-              "DUPLEXKV_DECODE_STACK=0 or no C compiler): nothing to profile", flush=True)
+    choice = resolve_dtype(args.dtype, read_cpu_flags())
+    dtype = choice.dtype
+    if dtype not in ("float32", "bfloat16") or not decode_stack.DecodeStack.runs_here(
+            getattr(torch, dtype)):
+        print(f"the native {dtype} decode stack does not run here (DUPLEXKV_NATIVE=0, "
+              "DUPLEXKV_DECODE_STACK=0, no C compiler, or bfloat16 without a packed bf16 "
+              "kernel: AMX or avx512_bf16): nothing to profile", flush=True)
         return 2
     shape = preset_shape(args.preset)
     longest = max(args.contexts) + WARM_STEPS + args.steps + max(args.batches) + 8
     blocks = max(args.batches) * (longest // 16 + 2) + 16
-    llm = LLM(args.preset, dtype="float32", enable_prefix_caching=False,
+    llm = LLM(args.preset, dtype=dtype, enable_prefix_caching=False,
               max_num_batched_tokens=longest, max_model_len=longest, num_kv_blocks=blocks)
+    if llm.engine.runner.model.decode_stack is None:
+        print(f"the {args.preset} model builds no {dtype} decode stack here: nothing to profile",
+              flush=True)
+        return 2
     bandwidth = Bandwidth()
     read_gbs = bandwidth.read(3)
-    print(f"{cpu_line()}\n{args.preset}, float32, {os.cpu_count()} CPUs, torch threads "
-          f"{torch.get_num_threads()}; the sum reads {read_gbs:.1f} GB/s; load {loadavg()}",
-          flush=True)
+    print(f"{cpu_line()}\n{args.preset}, {dtype} (--dtype {args.dtype}: {choice.reason}), "
+          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; the sum reads "
+          f"{read_gbs:.1f} GB/s; load {loadavg()}", flush=True)
     results = []
     for context in args.contexts:
         for batch in args.batches:
             rows = measure(llm, context, batch, args.steps, args.seed, shape.vocab)
             again = bandwidth.read(3)  # right after: the higher reading is the floor's
             read_gbs = max(read_gbs, again)
-            nbytes = part_bytes(shape, context + WARM_STEPS + args.steps / 2, batch)
+            nbytes = part_bytes(shape, context + WARM_STEPS + args.steps / 2, batch, dtype)
             print(f"\n{context} x {batch} ({args.steps} steps; the sum after them "
                   f"{again:.1f} GB/s)\n{table(rows, nbytes, read_gbs)}", flush=True)
             results.append({"context": context, "batch": batch, "ms": rows,
                             "bytes": nbytes, "read_gbs": read_gbs})
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_line(), "preset": args.preset,
-                                         "dtype": "float32", "steps": args.steps,
+                                         "dtype": dtype, "steps": args.steps,
                                          "cases": results}, indent=1))
     return 0
 

@@ -11,14 +11,17 @@ import pytest
 
 from duplexkv import LLM, SamplingParams
 from duplexkv.cli import main
-from duplexkv.layers import decode_stack, native
+from duplexkv.layers import amx, decode_stack, native
 from duplexkv_bench.decode_profile import preset_shape
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native kernels (no compiler)")
+DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not native.available() or not amx.kernels(), reason="no packed bf16 kernel runs here"))]
 
 
-def test_the_stack_times_the_steps_run_while_profiling_is_on() -> None:
-    llm = LLM("tiny", dtype="float32", enable_prefix_caching=False)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_stack_times_the_steps_run_while_profiling_is_on(dtype: str) -> None:
+    llm = LLM("tiny", dtype=dtype, enable_prefix_caching=False)
     engine = llm.engine
     rng = random.Random(0)
     for _ in range(2):
@@ -36,29 +39,36 @@ def test_the_stack_times_the_steps_run_while_profiling_is_on() -> None:
     assert all(ms >= 0 for ms in got.part_ms.values())
     for part in ("qkv", "attention", "o", "gate_up", "down"):
         assert got.part_ms[part] > 0, part
+    # bf16 computes SiLU in the gate/up product
+    assert (got.part_ms["silu"] > 0) == (dtype == "float32")
     assert 0 < sum(got.part_ms.values()) <= got.call_ms
     engine.step()  # off again
     assert decode_stack.profile(False).steps == 0
 
 
-def test_decode_profile_prints_and_writes_every_part(tmp_path: Path, capfd) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_profile_prints_and_writes_every_part(dtype: str, tmp_path: Path, capfd) -> None:
     out = tmp_path / "profile.json"
-    assert main(["bench", "decode_profile", "--preset", "tiny", "--contexts", "64",
-                 "--batches", "1", "2", "--steps", "4", "--json", str(out)]) == 0
+    assert main(["bench", "decode_profile", "--preset", "tiny", "--dtype", dtype, "--contexts",
+                 "64", "--batches", "1", "2", "--steps", "4", "--json", str(out)]) == 0
     printed = capfd.readouterr().out
+    assert f"tiny, {dtype} (--dtype {dtype}" in printed
     for part in (*decode_stack.PARTS, "stack other", "LM head", "engine", "**step**"):
         assert printed.count(f"| {part} |") == 2, part
-    cases = json.loads(out.read_text())["cases"]
+    written = json.loads(out.read_text())
+    assert written["dtype"] == dtype
+    cases = written["cases"]
     assert [(c["context"], c["batch"]) for c in cases] == [(64, 1), (64, 2)]
     for c in cases:
         assert c["ms"]["step"] > 0 and c["ms"]["attention"] > 0 and c["ms"]["LM head"] > 0
         # the parts add up to the step: the stack's rest and the engine are what is left
         assert sum(v for k, v in c["ms"].items() if k != "step") == pytest.approx(c["ms"]["step"])
-        # K and V x 2 layers x 1 KV head x 32 x (64 + 5 warm + 4 / 2 steps) x batch x 4 bytes
-        assert c["bytes"]["attention"] == 2 * 2 * 1 * 32 * (64 + 5 + 2) * c["batch"] * 4
+        # K and V x 2 layers x 1 KV head x 32 x (64 + 5 warm + 4 / 2 steps) x batch x its bytes
+        size = 4 if dtype == "float32" else 2
+        assert c["bytes"]["attention"] == 2 * 2 * 1 * 32 * (64 + 5 + 2) * c["batch"] * size
         # the parts' bytes are the floor `bench vs_vllm` divides by, split
         assert sum(c["bytes"].values()) == pytest.approx(
-            preset_shape("tiny").decode_bytes(64 + 5 + 2, c["batch"], "float32"))
+            preset_shape("tiny").decode_bytes(64 + 5 + 2, c["batch"], dtype))
 
 
 @pytest.mark.parametrize("argv", [["--batches", "17"], ["--steps", "0"], ["--contexts", "0"],

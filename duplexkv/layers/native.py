@@ -1,8 +1,9 @@
 """The kernels of native_kernels.c, compiled for this machine on first use: float32 decode
 kernels (native_f32_attn.h: attention), float32 prefill attention on AVX-512
 (native_f32_prefill.h, bound in causal_kernel.py), bf16 element-wise kernels for any row count
-(native_bf16.h) and the AMX bf16 linear and attention (native_amx.h, native_amx_attn.h, bound in
-amx.py). The float32 kernels use vectors as wide as the CPU (16 floats with AVX-512, else 8).
+(native_bf16.h), the AMX bf16 linear and attention (native_amx.h, native_amx_attn.h, bound in
+amx.py) and the decode steps in one call (native_f32_decode.h, native_bf16_decode.h, bound in
+decode_stack.py). The float32 kernels use vectors as wide as the CPU (16 floats with AVX-512, else 8).
 
 Why our own: on the CPUs we run on, the BLAS in PyTorch's wheel packs the weight matrix before a
 product even for the few rows of a decode step, and SDPA's flash kernel runs a decode query as
@@ -50,11 +51,12 @@ SOURCE = Path(__file__).with_name("native_kernels.c")
 SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in (
     "native_pool.h", "native_simd.h", "native_amx.h", "native_amx_attn.h", "native_vdp.h",
     "native_bf16_attn.h", "native_vdp_attn.h", "native_bf16.h", "native_f32_attn.h",
-    "native_f32_attn_avx2.h", "native_f32_prefill.h", "native_causal.h", "native_f32_decode.h")))
+    "native_f32_attn_avx2.h", "native_f32_prefill.h", "native_causal.h", "native_f32_decode.h",
+    "native_bf16_decode.h")))
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
                  "-pthread"]
 LINK_FLAGS = ["-shared", "-pthread"]
-ABI = 7  # dkv_abi() of the source this module binds
+ABI = 8  # dkv_abi() of the source this module binds
 MAX_GROUP = 16  # native_kernels.c MAX_G
 MAX_HEAD_DIM = 512  # native_kernels.c MAX_D
 MAX_BF16_WIDTH = 32768  # native_bf16.h BF_MAX_N
@@ -81,6 +83,7 @@ _SIGNATURES = {  # the kernels' C functions: (restype, argtypes)
     "dkv_f32_attention": (_int, _CAUSAL),
     "dkv_f32_attention_ok": (_int, []),
     "dkv_f32_decode_step": (_int, [_f32p] * 4 + [_int]),
+    "dkv_bf16_decode_step": (_int, [_f32p] * 4 + [_int, _int]),
     "dkv_decode_profile": (_int, [_int, _f32p]),
 }
 _lib: ctypes.CDLL | None = None

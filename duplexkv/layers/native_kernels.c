@@ -13,7 +13,8 @@
  * (RMSNorm, RoPE, SiLU for a decode step's few rows) run on the calling thread.
  *
  * dkv_f32_decode_step (native_f32_decode.h): a float32 decode step through every decoder layer
- * in one call of the kernels above.
+ * in one call of the kernels above; dkv_bf16_decode_step (native_bf16_decode.h) the same for bf16
+ * on the packed bf16 kernels.
  *
  * Included: native_amx.h (the bf16 linear on AMX tiles, every row count) and native_bf16.h (bf16
  * element-wise kernels, every row count).
@@ -135,7 +136,7 @@ static inline vf reduce4(const vf a[4]) {
 #endif
 }
 
-int dkv_abi(void) { return 7; }
+int dkv_abi(void) { return 8; }
 
 struct linear_job {
     const float *x, *w;
@@ -490,3 +491,4 @@ void dkv_silu_mul(const float *gu, float *out, int64_t M, int64_t I, int nthread
 
 #include "native_f32_decode.h"
 #include "native_bf16.h"
+#include "native_bf16_decode.h"

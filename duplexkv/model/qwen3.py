@@ -15,9 +15,10 @@ from torch import nn
 
 from duplexkv.layers import native
 from duplexkv.layers.attention import get_context, paged_attention
-from duplexkv.layers.decode_stack import DecodeStack, Dims, LayerTensors
+from duplexkv.layers.decode_stack import DecodeStack
 from duplexkv.layers.linear import Linear
 from duplexkv.model.config import ModelConfig
+from duplexkv.model.decode_stack_build import decode_stack_of
 
 # on the packed bf16 kernel, SiLU x up in the gate/up product's epilogue;
 # DUPLEXKV_FUSED_SILU=0: apart (A/B)
@@ -228,32 +229,10 @@ class CausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def build_decode_stack(self) -> bool:
-        """Run float32 decode steps through `DecodeStack` from now on, where it runs here (call
-        after loading the weights). Returns whether it does."""
-        self.decode_stack = None
-        if self.embed_tokens.weight.dtype != torch.float32 or not DecodeStack.runs_here():
-            return False
-        cfg = self.cfg
-        layers = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            layers.append(LayerTensors(
-                layer.input_layernorm.weight.detach(),
-                layer.post_attention_layernorm.weight.detach(), attn.qkv_proj.weight.detach(),
-                None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.detach(),
-                attn.qk_norm_weight if attn.qk_norm else None, attn.o_proj.weight.detach(),
-                mlp.gate_up_proj.weight.detach(), mlp.down_proj.weight.detach()))
-        # eps and scale as the layer loop's modules hold them, so both paths use the same values
-        first = self.layers[0]
-        attn = first.self_attn
-        if self.norm.eps != first.input_layernorm.eps:
-            return False  # the stack's norms share one eps
-        dims = Dims(cfg.hidden_size, attn.num_heads, attn.num_kv, attn.head_dim,
-                    first.mlp.inter, first.input_layernorm.eps,
-                    attn.q_norm.eps if attn.qk_norm else 0.0, attn.scale)
-        self.decode_stack = DecodeStack(self.embed_tokens.weight.detach(), layers,
-                                        self.norm.weight.detach(), dims)
-        return True
+        """Run decode steps through `DecodeStack` from now on, where it runs here (call after
+        loading the weights and `pack_linears`; decode_stack_build.py). Returns whether it does."""
+        self.decode_stack = decode_stack_of(self)
+        return self.decode_stack is not None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
