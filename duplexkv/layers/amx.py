@@ -94,7 +94,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     run = lib.dkv_amx_linear if kernel == "amx" else lib.dkv_vdp_linear
     if m and run(x.data_ptr(), packed.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, int(silu),
                  torch.get_num_threads()) != 0:
-        raise MemoryError("bf16 linear: no memory for a padding buffer")
+        raise RuntimeError(f"bf16 linear: the {kernel} kernel refused x {tuple(x.shape)} for {n} "
+                           "columns")
     return y
 
 

@@ -12,8 +12,9 @@
  *
  * The weight is packed once (dkv_amx_pack) into the tiles' VNNI layout, 16 output columns by 32
  * k per 1 KiB block, columns padded with zeros to a multiple of 32: [N32 / 16][K / 32][16 k-pairs]
- * [16 columns][2]. K must be a multiple of 32 (native.py checks). Rows of x are read in place
- * except a task's last rows past M, which are copied into a zero-padded buffer.
+ * [16 columns][2]. K must be a multiple of 32 (native.py checks). Rows of x are read in place; a
+ * task's last rows load into tiles configured with as many rows (amx_config), so no padded copy
+ * is made.
  *
  * A task is 32 rows (or 16, the last) by up to 256 columns; tasks run column range outer and rows
  * inner, so a range's packed weight (K x 256 x 2 bytes) stays in L2 while the rows stream through,
@@ -58,25 +59,26 @@ struct amx_job {
     uint16_t *y;
     int64_t M, N, K, mtasks; /* row blocks of 32: tasks are (column range, row block) */
     int silu; /* fused gate/up: y[M, N / 2] = bf16(bf16(silu(gate)) * up), pairs (gate16, up16) */
-    _Atomic int failed; /* a thread had no padding buffer */
 };
 
-static __thread uint16_t *amx_pad; /* a thread's zero-padded copy of a task's last rows */
-static __thread int64_t amx_pad_k;
+/* The tiles' shapes: 4 and 5 hold x's rows (16 at most each, 32 bf16 k), 6 and 7 a weight block
+ * (16 k-pairs x 16 columns), 0-3 the float32 sums (rows of 4 by columns of 6, 4 / 5 by 7). `ra`
+ * and `rb`: the rows tiles 4 and 5 (and their sums) hold; fewer than 16 where a task's last rows
+ * end before them, so a tile reads no row past x's end (a row's products do not depend on the
+ * other rows of its tile, so its bits are those of a full tile's). */
+static void amx_config(int ra, int rb) {
+    struct amx_cfg cfg = {.palette = 1};
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = (uint8_t)ra;
+    cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = (uint8_t)(rb > 0 ? rb : 16);
+    _tile_loadconfig(&cfg);
+}
 
-/* rows [m0, m0 + 16 * mt) of x (mt = 1 or 2) against column pairs [p0, p1) */
+/* rows [m0, m0 + 16 * mt) of x (mt = 1 or 2; fewer past M) against column pairs [p0, p1), with
+ * the tiles configured for those rows (amx_config) */
 static void amx_task(const struct amx_job *j, int64_t m0, int mt, int64_t p0, int64_t p1) {
     const int64_t K = j->K, kblocks = K / 32, rows = j->M - m0 < 16 * mt ? j->M - m0 : 16 * mt;
     const uint16_t *a = j->x + m0 * K;
-    if (rows < 16 * mt) { /* a tile load reads 16 rows: copy the last ones, zeros after them */
-        if (!amx_pad) {
-            atomic_store(&((struct amx_job *)j)->failed, 1);
-            return;
-        }
-        memset(amx_pad, 0, (size_t)(32 * K) * sizeof(uint16_t));
-        memcpy(amx_pad, a, (size_t)(rows * K) * sizeof(uint16_t));
-        a = amx_pad;
-    }
     float c[32][32] __attribute__((aligned(64)));
     for (int64_t p = p0; p < p1; p++) {
         const uint16_t *b0 = j->wp + (2 * p) * kblocks * 512, *b1 = b0 + kblocks * 512;
@@ -109,25 +111,20 @@ static void amx_task(const struct amx_job *j, int64_t m0, int mt, int64_t p0, in
 
 static void amx_tasks(void *ctx, int64_t t0, int64_t t1) {
     const struct amx_job *j = ctx;
-    struct amx_cfg cfg = {.palette = 1};
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
-    if (amx_pad_k < j->K) {
-        free(amx_pad);
-        amx_pad = aligned_alloc(64, (size_t)(32 * j->K) * sizeof(uint16_t));
-        amx_pad_k = amx_pad ? j->K : 0;
-    }
+    int ra = 0, rb = 0; /* the configured rows (none yet) */
     const int64_t pairs = (j->N + 31) / 32;
     for (int64_t t = t0; t < t1; t++) { /* column range outer, rows inner */
         const int64_t range = t / j->mtasks, mb = t % j->mtasks, m0 = mb * 32;
         const int64_t p0 = range * AMX_NR, p1 = p0 + AMX_NR < pairs ? p0 + AMX_NR : pairs;
-        amx_task(j, m0, j->M - m0 > 16 ? 2 : 1, p0, p1);
+        const int64_t rows = j->M - m0 < 32 ? j->M - m0 : 32;
+        const int want_a = rows < 16 ? (int)rows : 16, want_b = rows > 16 ? (int)rows - 16 : 0;
+        if (want_a != ra || want_b != rb) amx_config(ra = want_a, rb = want_b);
+        amx_task(j, m0, rows > 16 ? 2 : 1, p0, p1);
     }
     _tile_release();
 }
 
-/* 0, or -1 when a thread could not get its padding buffer (nothing written is then valid).
- * With `silu`, w was packed with gate and up rows interleaved by 16 (amx.py pack_gate_up), no
+/* 0, or -1 (AMX not lent to this process, or a shape it does not take). With `silu`, w was packed with gate and up rows interleaved by 16 (amx.py pack_gate_up), no
  * bias, N % 32 == 0, and y is [M, N / 2]: the gate and up values round to bf16 as the plain
  * product's would, then meet the bf16 SiLU kernel's formula (v16_silu_mul), so the fused result
  * is the unfused one, bit for bit, without writing and re-reading the [M, N] product. */
@@ -136,10 +133,10 @@ int dkv_amx_linear(const uint16_t *x, const uint16_t *wp, const float *bias, uin
     if (!dkv_amx_init() || K % 32 || K <= 0 || M <= 0 || N <= 0) return -1;
     if (silu && (N % 32 || bias)) return -1;
     const int64_t mtasks = (M + 31) / 32, ctasks = ((N + 31) / 32 + AMX_NR - 1) / AMX_NR;
-    struct amx_job job = {x, wp, bias, y, M, N, K, mtasks, silu, 0};
+    struct amx_job job = {x, wp, bias, y, M, N, K, mtasks, silu};
     const int64_t count = mtasks * ctasks;
     pool_run(amx_tasks, &job, count, count / (4 * (nthreads > 0 ? nthreads : 1)), nthreads);
-    return atomic_load(&job.failed) ? -1 : 0;
+    return 0;
 }
 #else
 int dkv_amx_init(void) { return 0; }
