@@ -8,6 +8,9 @@ where neither runs every test but one skips and the engine keeps its oneDNN/BLAS
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,10 +27,12 @@ def _cpu_flags() -> set[str]:
 
 
 def _cpu_kernels() -> list[str]:
-    """The kernels this CPU's flags promise (what the build must then provide)."""
+    """The kernels this CPU's flags promise (what the build must then provide; AMX unless this
+    run leaves it alone, `DUPLEXKV_AMX=0`)."""
     flags = _cpu_flags()
     return [name for name, needs in (("amx", {"amx_tile", "amx_bf16", "avx512_bf16"}),
-                                     ("vdp", {"avx512_bf16"})) if needs <= flags]
+                                     ("vdp", {"avx512_bf16"}))
+            if needs <= flags and (name != "amx" or amx.AMX)]
 
 
 KERNELS = _cpu_kernels()
@@ -39,6 +44,21 @@ each_kernel = pytest.mark.parametrize("kernel", KERNELS or ["none"])
 @needs_kernel
 def test_the_kernels_run_where_the_cpu_has_them():
     assert list(amx.kernels()) == KERNELS, "kernel not built or AMX tile state refused"
+
+
+@needs_amx
+def test_with_amx_left_alone_bf16_runs_the_avx512_kernels_as_without_amx(tiny_model_dir):
+    """`DUPLEXKV_AMX=0` on an AMX CPU: the kernels, the decode stack and the attention a CPU
+    with avx512_bf16 alone runs (how that CPU kind's path is measured and tested here)."""
+    code = ("from duplexkv import LLM; from duplexkv.layers import amx, attention; "
+            f"llm = LLM({str(tiny_model_dir)!r}, dtype='bfloat16', num_kv_blocks=16); "
+            "print(amx.kernels(), llm.engine.runner.model.decode_stack.kernel, "
+            "attention.kernel_runs(llm.engine.runner.model.embed_tokens.weight.dtype, 32))")
+    for value, want in (("0", "('vdp',) vdp True"), ("1", "('amx', 'vdp') amx True")):
+        r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "DUPLEXKV_AMX": value})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == want, value
 
 
 def _case(m, n, k, seed, bias=False):

@@ -15,12 +15,17 @@ elsewhere. Measured, per kind of CPU:
   decode:4096x1 decode:4096x8 decode:8192x1 decode:8192x8`, best / median bf16 over float32):
   prefill 2k 0.53 / 0.54, 8k 0.56 / 0.56; decode step 4k x 1 1.01 / 0.73, 4k x 8 0.90 / 0.75,
   8k x 1 0.71 / 0.69, 8k x 8 0.70 / 0.70.
-- Intel with `avx512_bf16` but no AMX (Cooper Lake, or a VM hiding AMX): float32. Measured slower
-  in bfloat16 before the AVX-512 BF16 kernels (below) and not measured with them, so the rule keeps
-  the measured choice there:
-  - Intel Xeon with avx512_bf16 and avx512_fp16, no AMX, 2 cores (issue 31's table): a 2048^3
-    torch matmul ran 90 GFLOP/s in bfloat16 vs 195 in float32; the engine's bfloat16 was 1.15x
-    (2k prefill) to 1.9x (decode) slower than its float32.
+- Intel with `avx512_bf16` but no AMX (Cooper Lake, or a VM hiding AMX): float32, for prefill:
+  - Intel Xeon with avx512_bf16 and avx512_fp16, no AMX, 2 cores (issue 31's table), before the
+    AVX-512 BF16 kernels: a 2048^3 torch matmul ran 90 GFLOP/s in bfloat16 vs 195 in float32; the
+    engine's bfloat16 was 1.15x (2k prefill) to 1.9x (decode) slower than its float32.
+  - With them, on an Intel Xeon with AMX left alone (`DUPLEXKV_AMX=0`: the kernels a CPU of this
+    kind runs, on the same cores; session 59, 2 cores, `OMP_WAIT_POLICY=PASSIVE duplexkv bench
+    engine_ab --old . --new . --dtype float32 bfloat16 --reps 3`, best bf16 / float32): prefill
+    2k 1.51x, 8k 1.58x slower (a VDPBF16PS does as many multiply-adds a cycle as two float32 FMAs
+    on these cores, unlike on Zen 4), decode steps 0.45x (4k and 8k x 1) and 0.69x (x 8) as long
+    (half the bytes). A TTFT 1.5x longer outweighs the faster steps, so float32 stays; not
+    measured on a CPU that lacks AMX itself.
   (On AMD EPYC Zen 4, before those kernels, the engine's bfloat16 ran PyTorch's ops: 0.73x float32
   at a 2k prefill, 1.00x at 8k, 1.59-1.64x slower per decode step; the matmul alone 405-420
   GFLOP/s in bfloat16 vs 165-182 in float32.)

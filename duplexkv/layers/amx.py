@@ -7,26 +7,32 @@ Linux lent the process its tile state, `vdp_available()` whether the AVX-512 BF1
 (the CPU has avx512_bf16). Weights are packed once (`pack`, one layout for both), then every
 product of any number of rows runs `linear` on the kernels' own threads, on the AMX kernel where
 it runs, else the AVX-512 BF16 one: a CPU runs one of the two for every product, so a row rounds
-the same in a prefill chunk and in a decode step.
+the same in a prefill chunk and in a decode step. `DUPLEXKV_AMX=0` leaves AMX alone, as on a CPU
+without it: bf16 then runs the AVX-512 BF16 kernels where the CPU has `avx512_bf16` (A/B
+measurements of a no-AMX CPU's path on an AMX one).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from duplexkv.layers import causal_kernel, native
 
 K_MULTIPLE = 32  # native_amx.h: K a multiple of this
+AMX = os.environ.get("DUPLEXKV_AMX", "1") != "0"
 _amx: bool | None = None
 _kernels: tuple[str, ...] | None = None
 
 
 def available() -> bool:
     """Whether the AMX bf16 linear runs here: built with AMX (the CPU has amx_tile, amx_bf16 and
-    avx512_bf16) and Linux lent this process the tile state."""
+    avx512_bf16), not left alone (`DUPLEXKV_AMX=0`), and Linux lent this process the tile
+    state."""
     global _amx
     if _amx is None:
-        _amx = native.available() and native.library().dkv_amx_init() == 1
+        _amx = AMX and native.available() and native.library().dkv_amx_init() == 1
     return _amx
 
 

@@ -168,8 +168,9 @@ class DecodeStack:
         _check(embed, (embed.shape[0], d.hidden), "embedding", dt)
         _check(norm, (d.hidden,), "final norm", dt)
         self.dtype = dt
-        # native_bf16_decode.h's kernel argument: 0 AMX, 1 AVX-512 BF16
-        self._kernel = ("amx", "vdp").index(amx.kernels()[0]) if bf16 else -1
+        # bf16: the packed kernel it runs ("amx" or "vdp", as `amx.linear` picks); None in float32
+        self.kernel = amx.kernels()[0] if bf16 else None
+        self._kernel = ("amx", "vdp").index(self.kernel) if bf16 else -1  # the C side's 0 / 1
         self.embed, self.norm = embed, norm
         self.layers, self.dims = layers, dims  # keeps the tensors alive
         self._weights = (LayerWeights * len(layers))(*(LayerWeights(
