@@ -94,8 +94,6 @@ static int bf16_decode_step(const struct dkv_bf16_layer_weights *lw,
         }
         hs[b] = s->cap[b] * D, rs[b] = D, qrow[b] = b, nnew[b] = 1, start[b] = s->pos[b];
     }
-    const size_t row_bytes = (size_t)(KVH * D) * sizeof(uint16_t);
-    const size_t head_bytes = (size_t)D * sizeof(uint16_t);
     int rc = 0;
     for (int64_t l = 0; l < L && rc == 0; l++) {
         const struct dkv_bf16_layer_weights *w = lw + l;
@@ -107,17 +105,11 @@ static int bf16_decode_step(const struct dkv_bf16_layer_weights *lw,
                                                 D, dm->qk_eps, nthreads));
         DP_TIMED(DP_KV_WRITES, {
             for (int64_t b = 0; b < B; b++) {
-                const uint16_t *kr = k + b * KVH * D, *vr = qkv + b * NQKV + (H + KVH) * D;
-                uint16_t *slot = s->pool + s->slot[b] + l * s->pool_layer;
-                memcpy(slot, kr, row_bytes);
-                memcpy(slot + s->pool_kv, vr, row_bytes);
-                const int64_t plane = KVH * s->cap[b] * D; /* one layer's K or V */
-                uint16_t *mk = (uint16_t *)(intptr_t)s->mirror[b] + 2 * l * plane, *mv = mk + plane;
-                for (int64_t hh = 0; hh < KVH; hh++) {
-                    memcpy(mk + hh * hs[b] + s->pos[b] * D, kr + hh * D, head_bytes);
-                    memcpy(mv + hh * hs[b] + s->pos[b] * D, vr + hh * D, head_bytes);
-                }
-                kb[b] = (int64_t)(intptr_t)mk, vb[b] = (int64_t)(intptr_t)mv;
+                const struct step_kv row = {s->pool + s->slot[b] + l * s->pool_layer,
+                                            s->pool_kv, s->mirror[b], s->cap[b], s->pos[b]};
+                kb[b] = step_kv_write(&row, l, k + b * KVH * D, qkv + b * NQKV + (H + KVH) * D,
+                                      KVH, D, sizeof(uint16_t));
+                vb[b] = kb[b] + KVH * s->cap[b] * D * (int64_t)sizeof(uint16_t);
             }
         });
         DP_TIMED(DP_ATTENTION, rc = attention(q, o, B, kb, vb, hs, rs, hs, rs, qrow, nnew, start, H,

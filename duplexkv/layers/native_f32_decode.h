@@ -68,6 +68,32 @@ int dkv_decode_profile(int on, int64_t *out) {
         if (t_) dp_ns[part] += now_ns() - t_;                                                  \
     } while (0)
 
+/* Where one sequence's new K/V row goes in a step: its pool slot (layer 0's K; V `pool_kv`
+ * elements after it) and its mirror [layers, 2, KVH, cap, D] at address `mirror`, position pos. */
+struct step_kv {
+    void *slot;
+    int64_t pool_kv, mirror, cap, pos;
+};
+
+/* Layer l's K row kr and V row vr [KVH, D] (elements of `elem` bytes) into the pool slot and the
+ * mirror (both dtypes' steps). Returns the address of the mirror's K plane for layer l (its V
+ * plane follows, KVH x cap x D elements on). */
+static int64_t step_kv_write(const struct step_kv *r, int64_t l, const void *kr, const void *vr,
+                             int64_t KVH, int64_t D, int64_t elem) {
+    const size_t row_bytes = (size_t)(KVH * D * elem), head_bytes = (size_t)(D * elem);
+    uint8_t *slot = r->slot;
+    memcpy(slot, kr, row_bytes);
+    memcpy(slot + r->pool_kv * elem, vr, row_bytes);
+    const int64_t plane = KVH * r->cap * D * elem; /* one layer's K or V, in bytes */
+    uint8_t *mk = (uint8_t *)(intptr_t)r->mirror + 2 * l * plane, *mv = mk + plane;
+    for (int64_t h = 0; h < KVH; h++) {
+        const int64_t at = (h * r->cap + r->pos) * D * elem;
+        memcpy(mk + at, (const uint8_t *)kr + h * D * elem, head_bytes);
+        memcpy(mv + at, (const uint8_t *)vr + h * D * elem, head_bytes);
+    }
+    return (int64_t)(intptr_t)mk;
+}
+
 static int decode_step(const struct dkv_layer_weights *lw, const struct dkv_stack_dims *dm,
                        const struct dkv_decode_rows *s, float *out, int nthreads);
 
@@ -106,7 +132,6 @@ static int decode_step(const struct dkv_layer_weights *lw, const struct dkv_stac
         memcpy(cs + b * half, s->cos + s->pos[b] * half, (size_t)half * sizeof(float));
         memcpy(sn + b * half, s->sin + s->pos[b] * half, (size_t)half * sizeof(float));
     }
-    const size_t row_bytes = (size_t)(KVH * D) * sizeof(float);
     int rc = 0;
     for (int64_t l = 0; l < L && rc == 0; l++) {
         const struct dkv_layer_weights *w = lw + l;
@@ -122,19 +147,12 @@ static int decode_step(const struct dkv_layer_weights *lw, const struct dkv_stac
                                            dm->qk_eps, nthreads));
         DP_TIMED(DP_KV_WRITES, {
             for (int64_t b = 0; b < B; b++) {
-                const float *kr = k + b * KVH * D, *vr = qkv + b * NQKV + (H + KVH) * D;
-                float *slot = s->pool + s->slot[b] + l * s->pool_layer;
-                memcpy(slot, kr, row_bytes);
-                memcpy(slot + s->pool_kv, vr, row_bytes);
-                const int64_t cap = s->cap[b], plane = KVH * cap * D; /* one layer's K or V */
-                float *mk = (float *)(intptr_t)s->mirror[b] + 2 * l * plane, *mv = mk + plane;
-                const size_t head_bytes = (size_t)D * sizeof(float);
-                for (int64_t hh = 0; hh < KVH; hh++) {
-                    memcpy(mk + (hh * cap + s->pos[b]) * D, kr + hh * D, head_bytes);
-                    memcpy(mv + (hh * cap + s->pos[b]) * D, vr + hh * D, head_bytes);
-                }
-                kb[b] = (int64_t)(intptr_t)mk, vb[b] = (int64_t)(intptr_t)mv;
-                hs[b] = cap * D, rs[b] = D, len[b] = s->pos[b] + 1;
+                const struct step_kv row = {s->pool + s->slot[b] + l * s->pool_layer,
+                                            s->pool_kv, s->mirror[b], s->cap[b], s->pos[b]};
+                kb[b] = step_kv_write(&row, l, k + b * KVH * D, qkv + b * NQKV + (H + KVH) * D,
+                                      KVH, D, sizeof(float));
+                vb[b] = kb[b] + KVH * s->cap[b] * D * (int64_t)sizeof(float);
+                hs[b] = s->cap[b] * D, rs[b] = D, len[b] = s->pos[b] + 1;
             }
         });
         DP_TIMED(DP_ATTENTION, rc = dkv_decode_attn(q, o, kb, vb, hs, rs, len, B, KVH, H / KVH, D,
