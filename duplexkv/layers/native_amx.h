@@ -67,10 +67,10 @@ struct amx_job {
 };
 
 /* The tiles' shapes: 4 and 5 hold x's rows (16 at most each, 32 bf16 k), 6 and 7 a weight block
- * (16 k-pairs x 16 columns), 0-3 the float32 sums (rows of 4 by columns of 6, 4 / 5 by 7). `ra`
- * and `rb`: the rows tiles 4 and 5 (and their sums) hold; fewer than 16 where a task's last rows
- * end before them, so a tile reads no row past x's end (a row's products do not depend on the
- * other rows of its tile, so its bits are those of a full tile's). */
+ * (16 k-pairs x 16 columns), 0 and 1 the float32 sums of tile 4's rows against 6 and 7, 2 and 3
+ * those of tile 5's. `ra` and `rb`: the rows tiles 4 and 5 (and their sums) hold; fewer than 16
+ * where a task's last rows end before them, so a tile reads no row past x's end (a row's products
+ * do not depend on the other rows of its tile, so its bits are those of a full tile's). */
 static void amx_config(int ra, int rb) {
     struct amx_cfg cfg = {.palette = 1};
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
@@ -135,10 +135,11 @@ static void amx_tasks(void *ctx, int64_t t0, int64_t t1) {
     _tile_release();
 }
 
-/* 0, or -1 (AMX not lent to this process, or a shape it does not take). With `silu`, w was packed with gate and up rows interleaved by 16 (amx.py pack_gate_up), no
- * bias, N % 32 == 0, and y is [M, N / 2]: the gate and up values round to bf16 as the plain
- * product's would, then meet the bf16 SiLU kernel's formula (v16_silu_mul), so the fused result
- * is the unfused one, bit for bit, without writing and re-reading the [M, N] product. */
+/* 0, or -1 (AMX not lent to this process, or a shape it does not take). With `silu`, w was
+ * packed with gate and up rows interleaved by 16 (amx.py pack_gate_up), no bias, N % 32 == 0,
+ * and y is [M, N / 2]: the gate and up values round to bf16 as the plain product's would, then
+ * meet the bf16 SiLU kernel's formula (v16_silu_mul), so the fused result is the unfused one, bit
+ * for bit, without writing and re-reading the [M, N] product. */
 int dkv_amx_linear(const uint16_t *x, const uint16_t *wp, const float *bias, uint16_t *y,
                    int64_t M, int64_t N, int64_t K, int silu, int nthreads) {
     if (!dkv_amx_init() || K % 32 || K <= 0 || M <= 0 || N <= 0) return -1;

@@ -107,9 +107,8 @@ static int bf16_decode_step(const struct dkv_bf16_layer_weights *lw,
             for (int64_t b = 0; b < B; b++) {
                 const struct step_kv row = {s->pool + s->slot[b] + l * s->pool_layer,
                                             s->pool_kv, s->mirror[b], s->cap[b], s->pos[b]};
-                kb[b] = step_kv_write(&row, l, k + b * KVH * D, qkv + b * NQKV + (H + KVH) * D,
-                                      KVH, D, sizeof(uint16_t));
-                vb[b] = kb[b] + KVH * s->cap[b] * D * (int64_t)sizeof(uint16_t);
+                step_kv_write(&row, l, k + b * KVH * D, qkv + b * NQKV + (H + KVH) * D, KVH, D,
+                              sizeof(uint16_t), &kb[b], &vb[b]);
             }
         });
         DP_TIMED(DP_ATTENTION, rc = attention(q, o, B, kb, vb, hs, rs, hs, rs, qrow, nnew, start, H,

@@ -76,10 +76,10 @@ struct step_kv {
 };
 
 /* Layer l's K row kr and V row vr [KVH, D] (elements of `elem` bytes) into the pool slot and the
- * mirror (both dtypes' steps). Returns the address of the mirror's K plane for layer l (its V
- * plane follows, KVH x cap x D elements on). */
-static int64_t step_kv_write(const struct step_kv *r, int64_t l, const void *kr, const void *vr,
-                             int64_t KVH, int64_t D, int64_t elem) {
+ * mirror (both dtypes' steps); the addresses of the mirror's K and V planes for layer l into
+ * *kbase and *vbase (what the attention reads). */
+static void step_kv_write(const struct step_kv *r, int64_t l, const void *kr, const void *vr,
+                          int64_t KVH, int64_t D, int64_t elem, int64_t *kbase, int64_t *vbase) {
     const size_t row_bytes = (size_t)(KVH * D * elem), head_bytes = (size_t)(D * elem);
     uint8_t *slot = r->slot;
     memcpy(slot, kr, row_bytes);
@@ -91,7 +91,7 @@ static int64_t step_kv_write(const struct step_kv *r, int64_t l, const void *kr,
         memcpy(mk + at, (const uint8_t *)kr + h * D * elem, head_bytes);
         memcpy(mv + at, (const uint8_t *)vr + h * D * elem, head_bytes);
     }
-    return (int64_t)(intptr_t)mk;
+    *kbase = (int64_t)(intptr_t)mk, *vbase = (int64_t)(intptr_t)mv;
 }
 
 static int decode_step(const struct dkv_layer_weights *lw, const struct dkv_stack_dims *dm,
@@ -149,9 +149,8 @@ static int decode_step(const struct dkv_layer_weights *lw, const struct dkv_stac
             for (int64_t b = 0; b < B; b++) {
                 const struct step_kv row = {s->pool + s->slot[b] + l * s->pool_layer,
                                             s->pool_kv, s->mirror[b], s->cap[b], s->pos[b]};
-                kb[b] = step_kv_write(&row, l, k + b * KVH * D, qkv + b * NQKV + (H + KVH) * D,
-                                      KVH, D, sizeof(float));
-                vb[b] = kb[b] + KVH * s->cap[b] * D * (int64_t)sizeof(float);
+                step_kv_write(&row, l, k + b * KVH * D, qkv + b * NQKV + (H + KVH) * D, KVH, D,
+                              sizeof(float), &kb[b], &vb[b]);
                 hs[b] = s->cap[b] * D, rs[b] = D, len[b] = s->pos[b] + 1;
             }
         });
