@@ -136,10 +136,11 @@ static void at_softmax(const struct causal_job *j, struct at_scratch *w, int64_t
                        int real) {
     const __m512 neg = _mm512_set1_ps(AT_NEG);
     __mmask16 mk[16][AT_NC];
-    int64_t least = AT_BK; /* the fewest keys of the block a real row reads */
+    int64_t lim[16], least = AT_BK; /* the keys of the block each real row reads; the fewest */
     for (int i = 0; i < real; i++) {
-        const int64_t lim = w->pos[t0 + i] - k0 + 1;
-        if (lim < least) least = lim;
+        const int64_t n = w->pos[t0 + i] - k0 + 1;
+        lim[i] = n < 0 ? 0 : n > AT_BK ? AT_BK : n;
+        if (lim[i] < least) least = lim[i];
     }
     const int masked = least < AT_BK;
     __m512 mx[16];
@@ -147,10 +148,8 @@ static void at_softmax(const struct causal_job *j, struct at_scratch *w, int64_t
         mx[i] = neg;
         if (i >= real) continue;
         if (masked) {
-            int64_t lim = w->pos[t0 + i] - k0 + 1;
-            lim = lim < 0 ? 0 : lim > AT_BK ? AT_BK : lim;
-            const uint64_t lo = _bzhi_u64(~0ull, (unsigned)(lim < 64 ? lim : 64));
-            const uint64_t hi = _bzhi_u64(~0ull, (unsigned)(lim > 64 ? lim - 64 : 0));
+            const uint64_t lo = _bzhi_u64(~0ull, (unsigned)(lim[i] < 64 ? lim[i] : 64));
+            const uint64_t hi = _bzhi_u64(~0ull, (unsigned)(lim[i] > 64 ? lim[i] - 64 : 0));
             for (int c = 0; c < AT_NC; c++) {
                 mk[i][c] = (__mmask16)((c < 4 ? lo : hi) >> (16 * (c & 3)));
                 mx[i] = _mm512_mask_max_ps(mx[i], mk[i][c], mx[i],
