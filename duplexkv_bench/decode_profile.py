@@ -121,13 +121,14 @@ def measure(llm: LLM, context: int, batch: int, steps: int, seed: int,
             measured += 1
             if measured == steps:
                 prof = decode_stack.profile(False)
+                head_ms = head_s[0] / steps * 1e3  # the steps after these still call the head
     finally:
         del model.logits
         decode_stack.profile(False)
     if prof is None or prof.steps != steps:
         raise RuntimeError(f"{context} x {batch}: {measured} of {steps} decode steps measured, "
                            f"{prof.steps if prof else 0} of them in the decode stack")
-    step_ms, head_ms = wall / steps * 1e3, head_s[0] / steps * 1e3
+    step_ms = wall / steps * 1e3
     parts = dict(prof.part_ms)
     parts["stack other"] = prof.call_ms - sum(prof.part_ms.values())
     parts["LM head"] = head_ms

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ import pytest
 from duplexkv import LLM, SamplingParams
 from duplexkv.cli import main
 from duplexkv.layers import amx, decode_stack, native
-from duplexkv_bench.decode_profile import preset_shape
+
+from duplexkv_bench.decode_profile import measure, preset_shape
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native kernels (no compiler)")
 DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
@@ -69,6 +71,27 @@ def test_decode_profile_prints_and_writes_every_part(dtype: str, tmp_path: Path,
         # the parts' bytes are the floor `bench vs_vllm` divides by, split
         assert sum(c["bytes"].values()) == pytest.approx(
             preset_shape("tiny").decode_bytes(64 + 5 + 2, c["batch"], dtype))
+
+
+def test_the_lm_head_counts_only_the_measured_steps() -> None:
+    """The steps that finish the requests after the measured ones also compute logits; their
+    time once went into the LM head's figure (divided by the measured steps: 30 % too high at 50
+    steps of batch 8), and out of the engine's."""
+    llm = LLM("tiny", dtype="float32", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    real, calls = model.logits, []
+
+    def slow_logits(hidden):  # a head that takes 20 ms a call, whatever the machine
+        calls.append(hidden.shape[0])
+        time.sleep(0.02)
+        return real(hidden)
+
+    model.logits = slow_logits
+    ms = measure(llm, 64, 2, 4, 0, preset_shape("tiny").vocab)
+    assert "logits" not in vars(model)  # the bench took its wrapper (and this one) away
+    assert len(calls) > 4 + 5  # more steps ran than were measured: warm ones, the tail
+    assert 20 <= ms["LM head"] < 25, ms
+    assert ms["engine"] >= 0, ms  # the step's rest, once negative
 
 
 @pytest.mark.parametrize("argv", [["--batches", "17"], ["--steps", "0"], ["--contexts", "0"],
