@@ -105,6 +105,37 @@ def test_a_rows_bits_do_not_depend_on_the_batch_its_place_or_the_threads(kernel,
 
 
 @needs_kernel
+@each_kernel
+@pytest.mark.parametrize("n,k", [(32000, 512), (100, 64), (40, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float_output_is_the_bf16_output_widened(kernel, n, k, bias):
+    """The LM head asks for float32 logits: the kernel writes each bf16 result widened, the bits
+    of `.float()` on the bf16 output (columns past N untouched), for any row count."""
+    x, w, b = _case(19, n, k, n + k, bias)
+    packed = amx.pack(w)
+    for m in (1, 2, 8, 19):
+        xm = x[:m].contiguous()
+        got = amx.linear(xm, packed, n, b, kernel=kernel, float_out=True)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        assert torch.equal(got, amx.linear(xm, packed, n, b, kernel=kernel).float()), m
+    with pytest.raises(ValueError):  # the fused gate/up has no float32 output
+        amx.linear(x, amx.pack_gate_up(w[:64]), 64, silu=True, kernel=kernel, float_out=True)
+
+
+@needs_kernel
+def test_a_packed_lm_head_gives_float_logits_of_its_bf16_product():
+    x, w, _ = _case(8, 96, 64, 11)
+    lin = Linear(64, 96, bias=False).to(torch.bfloat16)
+    lin.weight.data.copy_(w)
+    want = lin(x).float()
+    assert lin.pack()
+    assert torch.equal(lin(x, float_out=True), want)
+    plain = Linear(64, 96, bias=False).to(torch.bfloat16)  # not packed: torch's product, widened
+    plain.weight.data.copy_(w)
+    assert torch.equal(plain(x, float_out=True), plain(x).float())
+
+
+@needs_kernel
 def test_a_packed_linear_module_matches_f_linear_and_releases_its_weight():
     x, w, b = _case(9, 200, 128, 3, bias=True)
     layer = Linear(128, 200, bias=True).bfloat16()

@@ -81,24 +81,31 @@ def pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
     return pack(torch.stack([gate, up], dim=1).reshape(n, k))
 
 
+BF_OUT = {"bf16": 0, "silu": 1, "float32": 2}  # native_simd.h BF_OUT_*
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-           silu: bool = False, kernel: str | None = None) -> torch.Tensor:
+           silu: bool = False, kernel: str | None = None, float_out: bool = False) -> torch.Tensor:
     """x [M, K] bf16 . W^T (+ bias) -> [M, n] bf16, W packed by `pack`; the same bits for a
     row whatever M (native_amx.h, native_vdp.h). With `silu` (W packed by `pack_gate_up`, n = 2 I,
     no bias): bf16(bf16(silu(gate)) * up) [M, I], the bits of the bf16 SiLU kernel on the plain
-    product. `kernel`: "amx" or "vdp" (tests), else the first of `kernels()`."""
+    product. With `float_out`: [M, n] float32, each value the bf16 result widened (the bits of
+    `.float()` on the bf16 output, written by the kernel itself). `kernel`: "amx" or "vdp"
+    (tests), else the first of `kernels()`."""
     m, k = x.shape
     kernel = _pick(kernel, "linear")
     if (x.dtype != torch.bfloat16 or not x.is_contiguous() or k % K_MULTIPLE
             or packed.numel() != (n + 31) // 32 * 32 * k
             or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)))
-            or (silu and (n % 32 or bias is not None))):
+            or (silu and (n % 32 or bias is not None or float_out))):
         raise ValueError(f"bf16 linear: x {x.dtype} {tuple(x.shape)} for {n} columns")
-    y = torch.empty(m, n // 2 if silu else n, dtype=torch.bfloat16)
+    out = "silu" if silu else "float32" if float_out else "bf16"
+    y = torch.empty(m, n // 2 if silu else n,
+                    dtype=torch.float32 if float_out else torch.bfloat16)
     bias_ptr = None if bias is None else bias.data_ptr()
     lib = native.library()
     run = lib.dkv_amx_linear if kernel == "amx" else lib.dkv_vdp_linear
-    if m and run(x.data_ptr(), packed.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, int(silu),
+    if m and run(x.data_ptr(), packed.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, BF_OUT[out],
                  torch.get_num_threads()) != 0:
         raise RuntimeError(f"bf16 linear: the {kernel} kernel refused x {tuple(x.shape)} for {n} "
                            "columns")

@@ -125,11 +125,16 @@ class Linear(nn.Linear):
         y = amx.linear(rows, self.packed, self.out_features, silu=True)
         return y.view(*shape[:-1], self.out_features // 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        """x . W^T (+ bias) in the weight's dtype, or with `float_out` widened to float32 (the
+        bits of `forward(x).float()`). A packed weight's kernel writes the float32 values itself:
+        torch's conversion of a [M, N] product opens an OpenMP region from 32k elements (a bf16
+        decode step's LM head from batch 2 on), which woke a sleeping thread every step."""
         assert not self.gate_up, "a fused gate/up projection computes silu_mul, not its product"
         if self.packed is not None:
             shape = x.shape
             rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-            y = amx.linear(rows, self.packed, self.out_features, self.bias32)
+            y = amx.linear(rows, self.packed, self.out_features, self.bias32, float_out=float_out)
             return y.view(*shape[:-1], self.out_features)
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        return y.float() if float_out else y

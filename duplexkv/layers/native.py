@@ -56,7 +56,7 @@ SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in (
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
                  "-pthread"]
 LINK_FLAGS = ["-shared", "-pthread"]
-ABI = 8  # dkv_abi() of the source this module binds
+ABI = 9  # dkv_abi() of the source this module binds
 MAX_GROUP = 16  # native_kernels.c MAX_G
 MAX_HEAD_DIM = 512  # native_kernels.c MAX_D
 MAX_BF16_WIDTH = 32768  # native_bf16.h BF_MAX_N

@@ -61,9 +61,10 @@ struct amx_cfg {
 struct amx_job {
     const uint16_t *x, *wp;
     const float *bias;
-    uint16_t *y;
+    void *y;
     int64_t M, N, K, mtasks; /* row blocks of 32: tasks are (column range, row block) */
-    int silu; /* fused gate/up: y[M, N / 2] = bf16(bf16(silu(gate)) * up), pairs (gate16, up16) */
+    int out; /* BF_OUT_*: bf16, the fused gate/up (y[M, N / 2] = bf16(bf16(silu(gate)) * up),
+              * pairs (gate16, up16)), or float32 of the bf16 result (native_simd.h) */
 };
 
 /* The tiles' shapes: 4 and 5 hold x's rows (16 at most each, 32 bf16 k), 6 and 7 a weight block
@@ -115,8 +116,8 @@ static void amx_task(const struct amx_job *j, int64_t m0, int mt, int64_t p0, in
             _tile_stored(2, &c[16][0], 128);
             _tile_stored(3, &c[16][16], 128);
         }
-        /* with silu, columns 0..15 of the pair are gate, 16..31 up, of output 16p.. */
-        bf16_pair_store(j->y, m0, rows, j->N, p, j->bias, j->silu, &c[0][0], 32);
+        /* with BF_OUT_SILU, columns 0..15 of the pair are gate, 16..31 up, of output 16p.. */
+        bf16_pair_store(j->y, m0, rows, j->N, p, j->bias, j->out, &c[0][0], 32);
     }
 }
 
@@ -135,26 +136,28 @@ static void amx_tasks(void *ctx, int64_t t0, int64_t t1) {
     _tile_release();
 }
 
-/* 0, or -1 (AMX not lent to this process, or a shape it does not take). With `silu`, w was
- * packed with gate and up rows interleaved by 16 (amx.py pack_gate_up), no bias, N % 32 == 0,
+/* 0, or -1 (AMX not lent to this process, or a shape it does not take). y is bf16 [M, N], or
+ * with `out` BF_OUT_F32 float32 [M, N] (each value the bf16 result widened). With BF_OUT_SILU, w
+ * was packed with gate and up rows interleaved by 16 (amx.py pack_gate_up), no bias, N % 32 == 0,
  * and y is [M, N / 2]: the gate and up values round to bf16 as the plain product's would, then
  * meet the bf16 SiLU kernel's formula (v16_silu_mul), so the fused result is the unfused one, bit
  * for bit, without writing and re-reading the [M, N] product. */
-int dkv_amx_linear(const uint16_t *x, const uint16_t *wp, const float *bias, uint16_t *y,
-                   int64_t M, int64_t N, int64_t K, int silu, int nthreads) {
+int dkv_amx_linear(const uint16_t *x, const uint16_t *wp, const float *bias, void *y,
+                   int64_t M, int64_t N, int64_t K, int out, int nthreads) {
     if (!dkv_amx_init() || K % 32 || K <= 0 || M <= 0 || N <= 0) return -1;
-    if (silu && (N % 32 || bias)) return -1;
+    if (out < BF_OUT_BF16 || out > BF_OUT_F32 || (out == BF_OUT_SILU && (N % 32 || bias)))
+        return -1;
     const int64_t mtasks = (M + 31) / 32, ctasks = ((N + 31) / 32 + AMX_NR - 1) / AMX_NR;
-    struct amx_job job = {x, wp, bias, y, M, N, K, mtasks, silu};
+    struct amx_job job = {x, wp, bias, y, M, N, K, mtasks, out};
     const int64_t count = mtasks * ctasks;
     pool_run(amx_tasks, &job, count, count / (4 * (nthreads > 0 ? nthreads : 1)), nthreads);
     return 0;
 }
 #else
 int dkv_amx_init(void) { return 0; }
-int dkv_amx_linear(const uint16_t *x, const uint16_t *wp, const float *bias, uint16_t *y,
-                   int64_t M, int64_t N, int64_t K, int silu, int nthreads) {
-    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)silu, (void)nthreads;
+int dkv_amx_linear(const uint16_t *x, const uint16_t *wp, const float *bias, void *y,
+                   int64_t M, int64_t N, int64_t K, int out, int nthreads) {
+    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)out, (void)nthreads;
     return -1;
 }
 #endif

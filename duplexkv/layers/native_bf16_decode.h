@@ -39,7 +39,7 @@ struct dkv_bf16_decode_rows { /* as dkv_decode_rows, bf16 but for the RoPE table
     int64_t pool_layer, pool_kv;
 };
 
-typedef int (*bf16_linear_fn)(const uint16_t *, const uint16_t *, const float *, uint16_t *,
+typedef int (*bf16_linear_fn)(const uint16_t *, const uint16_t *, const float *, void *,
                               int64_t, int64_t, int64_t, int, int);
 typedef int (*bf16_attention_fn)(CAUSAL_ARGS(uint16_t));
 
@@ -99,7 +99,8 @@ static int bf16_decode_step(const struct dkv_bf16_layer_weights *lw,
         const struct dkv_bf16_layer_weights *w = lw + l;
         DP_TIMED(DP_NORMS, dkv_bf16_add_rmsnorm(x, l ? y : NULL, w->in_norm, h, B, Hd, dm->eps,
                                                 nthreads));
-        DP_TIMED(DP_QKV, rc = linear(h, w->qkv, w->qkv_bias, qkv, B, NQKV, Hd, 0, nthreads));
+        DP_TIMED(DP_QKV,
+                 rc = linear(h, w->qkv, w->qkv_bias, qkv, B, NQKV, Hd, BF_OUT_BF16, nthreads));
         if (rc) break;
         DP_TIMED(DP_ROPE, dkv_bf16_qk_norm_rope(qkv, NQKV, w->qk_norm, cs, sn, q, k, B, H, KVH,
                                                 D, dm->qk_eps, nthreads));
@@ -114,12 +115,13 @@ static int bf16_decode_step(const struct dkv_bf16_layer_weights *lw,
         DP_TIMED(DP_ATTENTION, rc = attention(q, o, B, kb, vb, hs, rs, hs, rs, qrow, nnew, start, H,
                                               KVH, D, dm->scale, nthreads));
         if (rc) break;
-        DP_TIMED(DP_O, rc = linear(o, w->o, NULL, a, B, Hd, H * D, 0, nthreads));
+        DP_TIMED(DP_O, rc = linear(o, w->o, NULL, a, B, Hd, H * D, BF_OUT_BF16, nthreads));
         if (rc) break;
         DP_TIMED(DP_NORMS, dkv_bf16_add_rmsnorm(x, a, w->post_norm, h, B, Hd, dm->eps, nthreads));
-        DP_TIMED(DP_GATE_UP, rc = linear(h, w->gate_up, NULL, sm, B, 2 * I, Hd, 1, nthreads));
+        DP_TIMED(DP_GATE_UP,
+                 rc = linear(h, w->gate_up, NULL, sm, B, 2 * I, Hd, BF_OUT_SILU, nthreads));
         if (rc) break;
-        DP_TIMED(DP_DOWN, rc = linear(sm, w->down, NULL, y, B, Hd, I, 0, nthreads));
+        DP_TIMED(DP_DOWN, rc = linear(sm, w->down, NULL, y, B, Hd, I, BF_OUT_BF16, nthreads));
     }
     if (rc == 0)
         DP_TIMED(DP_NORMS, dkv_bf16_add_rmsnorm(x, y, s->norm, out, B, Hd, dm->eps, nthreads));

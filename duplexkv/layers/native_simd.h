@@ -14,6 +14,12 @@
  * the bf16 SiLU kernel (native_bf16.h) and of the AMX linear's fused gate/up epilogue
  * (native_amx.h), so both give the same bits: every step explicitly rounded, e^-x by v16_exp2.
  */
+/* what the packed bf16 linears write (bf16_pair_store; defined on every build, the kernels'
+ * signatures carry it) */
+#define BF_OUT_BF16 0 /* y [M, N] bf16 */
+#define BF_OUT_SILU 1 /* the fused gate/up's bf16(bf16(silu(gate)) * up), y [M, N / 2] bf16 */
+#define BF_OUT_F32 2  /* y [M, N] float32: each bf16 result widened */
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
@@ -98,14 +104,16 @@ static inline __m256i v16_silu_mul(__m512 x, __m512 up) { /* -> 16 bf16 */
 }
 
 /* The packed bf16 linears' epilogue (native_amx.h, native_vdp.h): column pair q (32 columns) of
- * rows m0 .. m0 + rows - 1, row r's float32 sums at c + r * ld. With `silu`: gate (columns
- * 0..15) and up (16..31) -> v16_silu_mul at y[m0 + r, 16q ..] of a [M, N / 2] output; else +
- * bias (float32, or NULL), one rounding to bf16, at y[m0 + r, 32q ..], nothing past column N. */
-static inline void bf16_pair_store(uint16_t *y, int64_t m0, int64_t rows, int64_t N, int64_t q,
-                                   const float *bias, int silu, const float *c, int64_t ld) {
-    if (silu) {
+ * rows m0 .. m0 + rows - 1, row r's float32 sums at c + r * ld. BF_OUT_SILU: gate (columns
+ * 0..15) and up (16..31) -> v16_silu_mul at y[m0 + r, 16q ..] of a [M, N / 2] bf16 output; else +
+ * bias (float32, or NULL), one rounding to bf16, at y[m0 + r, 32q ..], nothing past column N:
+ * stored as bf16 (BF_OUT_BF16) or widened back to float32 (BF_OUT_F32: the bits of the bf16
+ * output's .float(), without a second pass over the output). */
+static inline void bf16_pair_store(void *y, int64_t m0, int64_t rows, int64_t N, int64_t q,
+                                   const float *bias, int out, const float *c, int64_t ld) {
+    if (out == BF_OUT_SILU) {
         for (int64_t r = 0; r < rows; r++)
-            _mm256_storeu_si256((__m256i *)(y + (m0 + r) * (N / 2) + 16 * q),
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + (m0 + r) * (N / 2) + 16 * q),
                                 v16_silu_mul(bf_round16(_mm512_load_ps(c + r * ld)),
                                              bf_round16(_mm512_load_ps(c + r * ld + 16))));
         return;
@@ -120,8 +128,14 @@ static inline void bf16_pair_store(uint16_t *y, int64_t m0, int64_t rows, int64_
     for (int64_t r = 0; r < rows; r++) {
         const __m512 lo = _mm512_add_ps(_mm512_load_ps(c + r * ld), b_lo);
         const __m512 hi = _mm512_add_ps(_mm512_load_ps(c + r * ld + 16), b_hi);
-        _mm512_mask_storeu_epi16(y + (m0 + r) * N + n0, keep,
-                                 (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        if (out == BF_OUT_F32) {
+            float *o = (float *)y + (m0 + r) * N + n0;
+            _mm512_mask_storeu_ps(o, (__mmask16)keep, bf_round16(lo));
+            _mm512_mask_storeu_ps(o + 16, (__mmask16)(keep >> 16), bf_round16(hi));
+        } else {
+            _mm512_mask_storeu_epi16((uint16_t *)y + (m0 + r) * N + n0, keep,
+                                     (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
     }
 }
 #endif

@@ -29,9 +29,10 @@
 struct vdp_job {
     const uint16_t *x, *wp;
     const float *bias;
-    uint16_t *y;
+    void *y;
     int64_t M, N, K, mtasks;
-    int silu; /* fused gate/up, as dkv_amx_linear: column blocks 2p (gate) and 2p + 1 (up) */
+    int out; /* BF_OUT_*, as dkv_amx_linear's (the fused gate/up: column blocks 2p, gate, and
+              * 2p + 1, up) */
 };
 
 /* rows [m0, m0 + mr) against column blocks [c0, c0 + nr) (nr = 4 or 2): c[m][16 i + n] */
@@ -57,11 +58,11 @@ vdp_block(const struct vdp_job *j, int64_t m0, const int mr, int64_t c0, const i
 }
 
 /* the block's results rounded to bf16 into y: column pairs (32 columns) c0 / 2 .. (c0 + nr) / 2 -
- * 1 (with silu: blocks 2q, gate, and 2q + 1, up -> output columns 16q .. 16q + 15) */
+ * 1 (with BF_OUT_SILU: blocks 2q, gate, and 2q + 1, up -> output columns 16q .. 16q + 15) */
 static void vdp_store(const struct vdp_job *j, int64_t m0, int mr, int64_t c0, int nr,
                       float c[VDP_MR][64]) {
     for (int h = 0; h < nr / 2; h++)
-        bf16_pair_store(j->y, m0, mr, j->N, c0 / 2 + h, j->bias, j->silu, &c[0][32 * h], 64);
+        bf16_pair_store(j->y, m0, mr, j->N, c0 / 2 + h, j->bias, j->out, &c[0][32 * h], 64);
 }
 
 /* constant shapes, so the accumulators stay in registers */
@@ -106,12 +107,14 @@ static void vdp_tasks(void *ctx, int64_t t0, int64_t t1) {
     }
 }
 
-int dkv_vdp_linear(const uint16_t *x, const uint16_t *wp, const float *bias, uint16_t *y,
-                   int64_t M, int64_t N, int64_t K, int silu, int nthreads) {
-    if (K % 32 || K <= 0 || M <= 0 || N <= 0 || (silu && (N % 32 || bias))) return -1;
+int dkv_vdp_linear(const uint16_t *x, const uint16_t *wp, const float *bias, void *y,
+                   int64_t M, int64_t N, int64_t K, int out, int nthreads) {
+    if (K % 32 || K <= 0 || M <= 0 || N <= 0 || out < BF_OUT_BF16 || out > BF_OUT_F32
+        || (out == BF_OUT_SILU && (N % 32 || bias)))
+        return -1;
     const int64_t mtasks = (M + VDP_TR - 1) / VDP_TR;
     const int64_t ranges = ((N + 31) / 32 * 2 + VDP_CR - 1) / VDP_CR;
-    struct vdp_job job = {x, wp, bias, y, M, N, K, mtasks, silu};
+    struct vdp_job job = {x, wp, bias, y, M, N, K, mtasks, out};
     const int64_t count = mtasks * ranges;
     pool_run(vdp_tasks, &job, count, count / (4 * (nthreads > 0 ? nthreads : 1)), nthreads);
     return 0;
@@ -119,9 +122,9 @@ int dkv_vdp_linear(const uint16_t *x, const uint16_t *wp, const float *bias, uin
 
 int dkv_vdp_available(void) { return 1; }
 #else
-int dkv_vdp_linear(const uint16_t *x, const uint16_t *wp, const float *bias, uint16_t *y,
-                   int64_t M, int64_t N, int64_t K, int silu, int nthreads) {
-    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)silu, (void)nthreads;
+int dkv_vdp_linear(const uint16_t *x, const uint16_t *wp, const float *bias, void *y,
+                   int64_t M, int64_t N, int64_t K, int out, int nthreads) {
+    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)out, (void)nthreads;
     return -1;
 }
 

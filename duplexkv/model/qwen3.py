@@ -235,7 +235,7 @@ class CausalLM(nn.Module):
         return self.decode_stack is not None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden, float_out=True)
 
     def pack_linears(self) -> int:
         """Pack every projection for the packed bf16 kernel where one runs (`Linear.pack`; call
