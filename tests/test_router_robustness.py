@@ -4,7 +4,7 @@ Each test is a regression test for one finding measured on the unchanged router:
 (lone surrogates, 100k-deep JSON, oversized bodies and headers) must be a 4xx in OpenAI's error
 shape, a long X-Request-Id that ends in a space once cut must get a normal answer, and a hung
 Redis (SIGSTOP) must cost at most one store timeout per breaker period while /health says the
-store is degraded, recovering by itself after SIGCONT. The router and the workers are real
+store is degraded, recovering by itself after SIGCONT — the Responses API's store too. The router and the workers are real
 processes (the tiny model)."""
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ import pytest
 from test_router import ARGS, MODEL, bidi, start_router
 from workers import start_p_and_d, stopping
 
+from duplexkv.http.errors import APIError
+from duplexkv.http.responses_api.store import MemoryResponseStore, StoredResponse, StoreSkipped
 from duplexkv.launch.ports import free_port
 from duplexkv.router.conversation.breaker import Breaker, BreakerOpen
+from duplexkv.router.conversation.response_store import GuardedResponseStore
 from duplexkv.router.conversation.store import GuardedStore, MemoryStore
 
 STORE_TIMEOUT_S = 1.0  # well above a normal request's time, even on a loaded machine
@@ -240,6 +243,45 @@ def test_breaker_opens_probes_once_per_period_and_closes():
     asyncio.run(run())
 
 
+def test_the_response_store_breaker_turns_failures_into_503s_and_skips_puts():
+    now, calls = [0.0], []
+
+    class Failing(MemoryResponseStore):
+        fail = True
+
+        async def get(self, api_key, response_id):
+            calls.append("get")
+            if self.fail:
+                raise ConnectionError("down")
+            return await super().get(api_key, response_id)
+
+        async def put(self, api_key, entry):
+            calls.append("put")
+            return await super().put(api_key, entry)
+
+    inner = Failing(60.0)
+    store = GuardedResponseStore(inner, 5.0)
+    store.breaker.clock = lambda: now[0]
+    entry = StoredResponse({"id": "resp_1"}, [])
+
+    async def run():
+        with pytest.raises(APIError) as e:  # the failure itself: a 503
+            await store.get(None, "resp_1")
+        assert e.value.status == 503
+        with pytest.raises(APIError):  # open: a 503 without calling the store
+            await store.get(None, "resp_1")
+        with pytest.raises(StoreSkipped):
+            await store.put(None, entry)
+        assert calls == ["get"]
+        inner.fail = False
+        now[0] += 5.0  # the period is over: the next call probes, and closes it
+        assert await store.get(None, "resp_1") is None
+        assert await store.put(None, entry) and (await store.get(None, "resp_1")) == entry
+        assert store.breaker.state == "closed" and store.breaker.opened == 1
+
+    asyncio.run(run())
+
+
 # --- Redis hung (SIGSTOP): the breaker ------------------------------------------------------
 @pytest.fixture
 def redis_proc(tmp):
@@ -328,3 +370,66 @@ def test_hung_redis_costs_at_most_one_timeout_per_breaker_period(workers, redis_
         assert _health(r)[1]["status"] == "ok"
     finally:
         r.stop()
+
+
+def _respond(router, **fields) -> tuple[float, httpx.Response]:
+    body = {"model": MODEL, "input": "hello there", "max_output_tokens": 4, "temperature": 0,
+            **fields}
+    t = time.monotonic()
+    r = post_raw(router.url + "/v1/responses", json.dumps(body).encode(), timeout=30)
+    return time.monotonic() - t, r
+
+
+def test_hung_redis_costs_the_responses_api_one_timeout_per_breaker_period(workers, redis_proc,
+                                                                           tmp):
+    """Finding (session 61): the Responses store had no breaker, so with Redis hung every
+    `/v1/responses` call (stored by default) waited for the store's socket timeout, and every
+    lookup (`previous_response_id`, GET) waited for it before its 503. At the router's defaults
+    (0.5 s timeout, 5 s breaker period) a hung Redis now costs at most one timeout per period
+    for each of the two stores, lookups are a 503 at once in between, and it recovers alone."""
+    p, d = workers
+    proc, url = redis_proc
+    r = start_router(tmp / "router_responses_redis.log", [p.url], [d.url], "--store", url)
+    timeout_s, period_s = 0.5, 5.0  # RouterConfig's defaults
+    try:
+        took, first = _respond(r)
+        assert first.status_code == 200, first.text
+        kept = first.json()["id"]
+        assert r.get(f"/v1/responses/{kept}").status_code == 200
+
+        proc.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        times = []
+        while time.monotonic() - started < 1.5 * period_s:
+            took, resp = _respond(r)
+            assert resp.status_code == 200, resp.text  # answered, only not stored
+            times.append(took)
+        elapsed = time.monotonic() - started
+        # each store: its first call and one probe a period wait for the timeout, no other
+        periods = 1 + int(elapsed / period_s)
+        assert sum(t >= timeout_s for t in times) <= 2 * periods, times
+        assert sorted(times)[len(times) // 2] < timeout_s / 2, times  # most are quick
+        for lookup in (lambda: _respond(r, previous_response_id=kept),
+                       lambda: _timed_get(r, f"/v1/responses/{kept}")):
+            took, resp = lookup()
+            assert resp.status_code == 503, resp.text
+            assert resp.json()["error"]["type"] == "service_unavailable_error"
+            assert took < timeout_s, took  # the breaker answers, not the socket timeout
+
+        proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + period_s + 10
+        while _timed_get(r, f"/v1/responses/{kept}")[1].status_code != 200:  # recovers alone
+            assert time.monotonic() < deadline, "the response store never recovered"
+            time.sleep(0.2)
+        took, resp = _respond(r, previous_response_id=kept)
+        assert resp.status_code == 200, resp.text
+        assert r.get(f"/v1/responses/{resp.json()['id']}").status_code == 200  # stored again
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        r.stop()
+
+
+def _timed_get(router, path: str) -> tuple[float, httpx.Response]:
+    t = time.monotonic()
+    resp = router.get(path)
+    return time.monotonic() - t, resp

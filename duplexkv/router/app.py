@@ -86,7 +86,8 @@ def build_app(cfg: RouterConfig, store: ConversationStore | None = None) -> Star
     salter = Salter.from_env(cfg.share_kv_cache, bool(cfg.api_keys) and cfg.store != "memory")
     responses = ResponsesRoutes(cfg, pool, metrics,
                                 make_response_store(cfg.store, cfg.conversation_ttl_s,
-                                                    cfg.store_timeout_s),
+                                                    cfg.store_timeout_s,
+                                                    cfg.store_breaker_period_s),
                                 lambda: state["turns"], salter)
 
     @contextlib.asynccontextmanager

@@ -30,7 +30,7 @@ from duplexkv.http.responses_api.events import ResponseEvents
 from duplexkv.http.responses_api.output import ResponseShape, new_id
 from duplexkv.http.responses_api.items import input_messages
 from duplexkv.http.responses_api.request import ResponsesRequest, parse_responses_request
-from duplexkv.http.responses_api.store import ResponseStore, StoredResponse
+from duplexkv.http.responses_api.store import ResponseStore, StoredResponse, StoreSkipped
 from duplexkv.http.sse import SSEResponse
 
 log = logging.getLogger("duplexkv.http")
@@ -122,6 +122,8 @@ class ResponsesFront:
             if not await self.store.put(api_key, stored):
                 log.warning("response %s not stored: larger than %d bytes", response["id"],
                             self.store.max_entry_bytes)
+        except StoreSkipped as e:  # failing, known: said once, when the breaker opened
+            log.debug("response %s not stored: %s", response["id"], e)
         except Exception as e:  # noqa: BLE001 - a failing store costs the chain, not the answer
             log.warning("response %s not stored: %r", response["id"], e)
 

@@ -34,6 +34,10 @@ def response_key(api_key: str | None, response_id: str) -> str:
     return h.hexdigest()[:40]
 
 
+class StoreSkipped(Exception):
+    """The call was not made: the store is known to be failing (the router's breaker)."""
+
+
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
     response: dict  # the Response object

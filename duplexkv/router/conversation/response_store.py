@@ -6,20 +6,31 @@ In Redis each response is one key under `duplexkv:resp:` with its own expiry (PX
 of put times and a hash of sizes keep the count and the bytes bounded (oldest first out), all in
 one Lua script. A failing Redis is a 503 for the request that needs a stored response (GET,
 DELETE, previous_response_id); storing a new one that fails is logged and the answer still goes
-out (http/responses_api/front.py).
+out (http/responses_api/front.py). Redis sits behind a circuit breaker (`GuardedResponseStore`,
+the conversation store's `Breaker`): with Redis down or hung, a call waits at most one socket
+timeout per breaker period; in between, lookups are a 503 at once and new responses go unstored
+without waiting (a user's agent loop would otherwise pay the timeout on every turn's `store`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from duplexkv.http.errors import APIError
 from duplexkv.http.responses_api.store import (
     MemoryResponseStore,
     ResponseStore,
     StoredResponse,
+    StoreSkipped,
     response_key,
 )
+from duplexkv.router.conversation.breaker import Breaker
+
+log = logging.getLogger("duplexkv.router")
+T = TypeVar("T")
 
 # KEYS: entry, index zset, sizes hash. ARGV: value, ttl ms, now ms, max entries, max bytes, size
 _PUT = """
@@ -84,10 +95,7 @@ class RedisResponseStore(ResponseStore):
         return [self.prefix + response_key(api_key, response_id), self.index, self.sizes]
 
     async def get(self, api_key: str | None, response_id: str) -> StoredResponse | None:
-        try:
-            raw = await self.redis.get(self._keys(api_key, response_id)[0])
-        except Exception:  # noqa: BLE001 - any client error: the store is unavailable
-            raise unavailable() from None
+        raw = await self.redis.get(self._keys(api_key, response_id)[0])
         return None if raw is None else StoredResponse.loads(raw)
 
     async def put(self, api_key: str | None, entry: StoredResponse) -> bool:
@@ -101,17 +109,63 @@ class RedisResponseStore(ResponseStore):
         return True
 
     async def delete(self, api_key: str | None, response_id: str) -> bool:
-        try:
-            return bool(await self._delete(keys=self._keys(api_key, response_id)))
-        except Exception:  # noqa: BLE001 - as in get
-            raise unavailable() from None
+        return bool(await self._delete(keys=self._keys(api_key, response_id)))
 
     async def close(self) -> None:
         await self.redis.aclose()
 
 
-def make_response_store(url: str, ttl_s: float, timeout_s: float = 0.5) -> ResponseStore:
-    """Where `--store` keeps conversations: `memory`, or the same Redis."""
+class GuardedResponseStore(ResponseStore):
+    """A response store behind a `Breaker`. Any failure of a lookup (get, delete) is a 503
+    (`unavailable`); while the breaker is open, lookups are that 503 at once and `put` raises
+    `StoreSkipped` without calling the store; the first call after the period probes it."""
+
+    def __init__(self, inner: ResponseStore, breaker_period_s: float) -> None:
+        super().__init__(inner.ttl_s, inner.max_entries, inner.max_bytes, inner.max_entry_bytes)
+        self.inner = inner
+        self.breaker = Breaker("the response store", breaker_period_s)
+
+    async def _call(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        if not self.breaker.allow():
+            log.debug("response store %s skipped: breaker open (%s)", what,
+                      self.breaker.last_error)
+            raise StoreSkipped(f"the response store is skipped after a failure "
+                               f"({self.breaker.last_error})")
+        try:
+            result = await call()
+        except Exception as e:
+            self.breaker.failure(e)
+            raise
+        except BaseException:  # cancelled (the client left): no verdict on the store
+            self.breaker.abandon()
+            raise
+        self.breaker.success()
+        return result
+
+    async def _lookup(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        try:
+            return await self._call(call, what)
+        except Exception:  # noqa: BLE001 - any client error or an open breaker: unavailable
+            raise unavailable() from None
+
+    async def get(self, api_key: str | None, response_id: str) -> StoredResponse | None:
+        return await self._lookup(lambda: self.inner.get(api_key, response_id), "get")
+
+    async def put(self, api_key: str | None, entry: StoredResponse) -> bool:
+        return await self._call(lambda: self.inner.put(api_key, entry), "put")
+
+    async def delete(self, api_key: str | None, response_id: str) -> bool:
+        return await self._lookup(lambda: self.inner.delete(api_key, response_id), "delete")
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def make_response_store(url: str, ttl_s: float, timeout_s: float = 0.5,
+                        breaker_period_s: float = 5.0) -> ResponseStore:
+    """Where `--store` keeps conversations: `memory` (cannot fail), or the same Redis behind a
+    breaker."""
     if url == "memory":
         return MemoryResponseStore(ttl_s)
-    return RedisResponseStore(url, ttl_s, timeout_s=timeout_s)
+    return GuardedResponseStore(RedisResponseStore(url, ttl_s, timeout_s=timeout_s),
+                                breaker_period_s)
