@@ -13,6 +13,7 @@ import pytest
 
 from duplexkv.http.errors import APIError
 from duplexkv.http.responses_api.events import ResponseEvents
+from duplexkv.http.responses_api.input_items import ItemsQuery, chained, listed, page, parse_query
 from duplexkv.http.responses_api.items import input_messages
 from duplexkv.http.responses_api.output import ResponseShape
 from duplexkv.http.responses_api.request import parse_responses_request
@@ -258,6 +259,81 @@ def test_the_store_is_bounded_expiring_and_per_key():
         assert await store.delete("a", "resp_20") and await store.get("a", "resp_20") is None
 
     asyncio.run(go())
+
+
+ITEM = pydantic.TypeAdapter(types.ResponseItem)
+
+
+def test_a_requests_input_is_listed_as_openai_normalises_it():
+    [one] = listed("hi")
+    assert one["id"].startswith("msg_") and one["type"] == "message" and one["role"] == "user"
+    assert one["content"] == [{"type": "input_text", "text": "hi"}]
+    items = listed([
+        {"role": "system", "content": "be brief"},
+        {"type": "message", "role": "assistant", "content": "earlier answer", "id": "msg_kept"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}",
+         "extra": "dropped"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "42"},
+        {"role": "user", "content": [{"type": "input_text", "text": "and now?"}]}])
+    assert [it["type"] for it in items] == ["message", "message", "reasoning", "function_call",
+                                            "function_call_output", "message"]
+    assert items[0]["content"] == [{"type": "input_text", "text": "be brief"}]
+    assert items[1]["id"] == "msg_kept"  # a client's own id is kept
+    assert items[1]["content"] == [{"type": "output_text", "text": "earlier answer",
+                                    "annotations": [], "logprobs": []}]
+    assert "extra" not in items[3] and items[3]["status"] == "completed"
+    assert len({it["id"] for it in items}) == len(items)
+    for it in items[1:5]:
+        ITEM.validate_python(it)  # the SDK's own item types parse them
+    ITEM.validate_python(one)
+
+
+def test_chained_lists_keep_each_id_once():
+    a = listed([{"type": "message", "role": "user", "content": "x", "id": "msg_1"}])
+    b = listed([{"type": "message", "role": "assistant", "content": "y", "id": "msg_1"},
+                {"type": "message", "role": "user", "content": "z", "id": "msg_2"}])
+    got = chained(a, b)
+    assert [it["content"][0]["text"] for it in got] == ["x", "y", "z"]
+    assert got[0]["id"] == "msg_1" and got[1]["id"] != "msg_1" and got[2]["id"] == "msg_2"
+    assert b[0]["id"] == "msg_1"  # the repeated item was copied, not changed
+
+
+def test_pages_follow_order_limit_and_cursors():
+    items = [{"id": f"i{n}", "type": "message"} for n in range(5)]
+    ids = lambda p: [it["id"] for it in p["data"]]  # noqa: E731
+    first = page(items, ItemsQuery())  # desc, 20
+    assert ids(first) == ["i4", "i3", "i2", "i1", "i0"] and not first["has_more"]
+    assert first["object"] == "list" and (first["first_id"], first["last_id"]) == ("i4", "i0")
+    p1 = page(items, ItemsQuery(limit=2, order="asc"))
+    assert ids(p1) == ["i0", "i1"] and p1["has_more"]
+    p2 = page(items, ItemsQuery(limit=2, order="asc", after=p1["last_id"]))
+    p3 = page(items, ItemsQuery(limit=2, order="asc", after=p2["last_id"]))
+    assert ids(p2) == ["i2", "i3"] and p2["has_more"] and ids(p3) == ["i4"] \
+        and not p3["has_more"]
+    assert ids(page(items, ItemsQuery(limit=2, before="i1"))) == ["i3", "i2"]  # desc: next to it
+    assert ids(page(items, ItemsQuery(after="i0"))) == []
+    empty = page([], ItemsQuery())
+    assert empty["data"] == [] and empty["first_id"] is None and not empty["has_more"]
+    with pytest.raises(APIError) as e:
+        page(items, ItemsQuery(after="nope"))
+    assert e.value.status == 400 and e.value.param == "after"
+
+
+@pytest.mark.parametrize("params,param", [({"limit": "0"}, "limit"), ({"limit": "101"}, "limit"),
+                                          ({"limit": "x"}, "limit"), ({"order": "up"}, "order")])
+def test_a_bad_query_is_a_400_naming_it(params, param):
+    with pytest.raises(APIError) as e:
+        parse_query(params)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_a_stored_entry_from_before_items_were_kept_still_loads():
+    old = json.dumps({"response": {"id": "resp_1", "output": [{"id": "msg_o"}]},
+                      "history": [], "conversation_key": None})
+    entry = StoredResponse.loads(old)
+    assert entry.items is None and entry.chain_items() == [{"id": "msg_o"}]
+    assert parse_query({"include": "x", "order": "asc"}) == ItemsQuery(order="asc")
 
 
 @pytest.mark.parametrize("chat", [

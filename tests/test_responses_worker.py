@@ -131,6 +131,36 @@ def test_previous_response_id_chain(client):
         client.responses.retrieve(second.id)
 
 
+def test_input_items_list_what_each_response_was_generated_from(client, worker):
+    """`client.responses.input_items.list`: a chained response lists the chain's inputs and
+    outputs, then its own input (instructions aside), newest first by default; the SDK's
+    auto-paging walks pages of one by `after`; unknown ids are a 404, bad queries a 400."""
+    first = client.responses.create(model="tiny", input="Name a colour.", temperature=0,
+                                    max_output_tokens=8, instructions="Be terse.")
+    second = client.responses.create(model="tiny", previous_response_id=first.id,
+                                      temperature=0, max_output_tokens=8,
+                                      input=[{"role": "user", "content": "And a fruit?"}])
+    walked = list(client.responses.input_items.list(second.id, order="asc", limit=1))
+    assert [it.type for it in walked] == ["message", *(o.type for o in first.output),
+                                          "message"]
+    assert walked[0].role == "user" and walked[0].content[0].text == "Name a colour."
+    assert [it.id for it in walked[1:-1]] == [o.id for o in first.output]  # its output items
+    assert walked[-1].content[0].text == "And a fruit?"
+    newest = client.responses.input_items.list(second.id)
+    assert [it.id for it in newest.data] == [it.id for it in reversed(walked)]
+    assert not newest.has_more and newest.first_id == walked[-1].id
+    assert [it.id for it in client.responses.input_items.list(first.id).data] == [walked[0].id]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+    for query, param in (("limit=0", "limit"), ("order=up", "order"), ("after=x", "after")):
+        r = httpx.get(f"{worker.url}/v1/responses/{second.id}/input_items?{query}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    unstored = client.responses.create(model="tiny", input="hi", max_output_tokens=4,
+                                       store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(unstored.id)
+
+
 def test_store_false_and_unknown_ids(client, worker):
     r = client.responses.create(model="tiny", input="hi", max_output_tokens=4, store=False)
     with pytest.raises(openai.NotFoundError):

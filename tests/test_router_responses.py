@@ -176,6 +176,15 @@ def test_a_second_router_on_one_redis_continues_the_chain(cluster, redis_url, tm
         got = chain(ra, via=(ra, rb, ra))
         check_chain(got, chain(on, reuse=False))
         assert rb.get(f"/v1/responses/{got[0].id}").json()["id"] == got[0].id
+        # the third link lists the chain's inputs and outputs then its own input, through Redis
+        # from the router that did not make it, as the one that did
+        listed = [it.id for it in rb.client().responses.input_items.list(got[2].id,
+                                                                          order="asc")]
+        made = [it.id for it in ra.client().responses.input_items.list(got[1].id, order="asc")]
+        outputs = [[o.id for o in r.output] for r in got]
+        assert listed[:len(made)] == made and made[-len(outputs[0]) - 1:-1] == outputs[0]
+        assert listed[len(made):len(made) + len(outputs[1])] == outputs[1]
+        assert len(listed) == len(made) + len(outputs[1]) + 1
         rb.client().responses.delete(got[2].id)
         assert ra.get(f"/v1/responses/{got[2].id}").status_code == 404
 
@@ -245,6 +254,9 @@ def test_stored_responses_belong_to_their_api_key(cluster, tmp):  # noqa: F811
             b.responses.create(model="tiny", input="more", previous_response_id=first.id)
         with pytest.raises(openai.NotFoundError):
             b.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            b.responses.input_items.list(first.id)
+        assert [it.type for it in a.responses.input_items.list(first.id)] == ["message"]
         assert a.responses.create(model="tiny", input="more", max_output_tokens=4,
                                   previous_response_id=first.id).previous_response_id == first.id
         with pytest.raises(openai.AuthenticationError):

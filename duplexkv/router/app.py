@@ -5,7 +5,7 @@ layer, so the hot path stays short).
     POST /v1/messages  Anthropic's Messages API: run as a chat turn, answered in its shapes
                        (http/messages.py); recognised from its messages like any chat turn
     POST /v1/messages/count_tokens   checked here, counted by a worker (healthy ones first)
-    POST /v1/responses, GET|DELETE /v1/responses/{id}
+    POST /v1/responses, GET|DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items
                        OpenAI's Responses API as a chat turn (responses.py)
     GET  /v1/models    the workers' models (from the first healthy worker that answers)
     GET  /health       per-backend state; 503 while no P or no D is healthy; status "degraded"

@@ -52,6 +52,8 @@ class ResponsesRoutes:
     def routes(self) -> list[Route]:
         return [Route("/v1/responses", self.create, methods=["POST"]),
                 Route("/v1/responses/{response_id}", self.get, methods=["GET"]),
+                Route("/v1/responses/{response_id}/input_items", self.input_items,
+                      methods=["GET"]),
                 Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"])]
 
     async def create(self, request: Request) -> Response:
@@ -95,6 +97,14 @@ class ResponsesRoutes:
             return await self.front.get(api_key_of(request.scope),
                                         request.path_params["response_id"])
         except APIError as e:
+            return e.response()
+
+    async def input_items(self, request: Request) -> Response:
+        try:
+            return await self.front.input_items(api_key_of(request.scope),
+                                                request.path_params["response_id"],
+                                                request.query_params)
+        except APIError as e:  # the store's 503
             return e.response()
 
     async def delete(self, request: Request) -> Response:

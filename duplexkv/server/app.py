@@ -3,7 +3,8 @@
 
     POST /v1/completions, /v1/chat/completions   (serving.OpenAIServing)
     POST /v1/messages    Anthropic's Messages API, run as a chat request (http/messages.py)
-    POST /v1/responses, GET|DELETE /v1/responses/{id}   (responses_routes: the chat path)
+    POST /v1/responses, GET|DELETE /v1/responses/{id}, GET .../{id}/input_items
+                                                        (responses_routes: the chat path)
     POST /tokenize, /detokenize                  (tokenize, vLLM's shapes)
     GET  /v1/models, /version, /health, /metrics, /debug/engine
 

@@ -5,6 +5,7 @@ and engine as /v1/chat/completions), with stored responses in this process
 
     POST   /v1/responses                  create (JSON or stream)
     GET    /v1/responses/{response_id}    a stored response
+    GET    /v1/responses/{response_id}/input_items   the items it was generated from, paged
     DELETE /v1/responses/{response_id}
 """
 
@@ -42,6 +43,11 @@ def add_routes(app: FastAPI, serving: OpenAIServing, ttl_s: float = DEFAULT_TTL_
     @app.get("/v1/responses/{response_id}")
     async def get(request: Request, response_id: str) -> Response:
         return await front.get(api_key_of(request.scope), response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(request: Request, response_id: str) -> Response:
+        return await front.input_items(api_key_of(request.scope), response_id,
+                                       request.query_params)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(request: Request, response_id: str) -> Response:

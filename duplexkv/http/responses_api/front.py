@@ -6,8 +6,10 @@ its turn runner, so the Responses API adds no generation logic of its own.
             previous turn's KV entry; none kept: the chain is named `response:<that id>` as a
             conversation id) -> the chat body -> run(chat body, conversation key) ->
             JSON: the Response (output.py); stream: the events (events.py) -> with `store`,
-            the Response and its history are stored before the client has the answer
+            the Response, its history and its items are stored before the client has the
+            answer
     GET     the stored Response (404 unless this API key stored it and it has not expired)
+    GET     .../input_items: a page of the items it was generated from (input_items.py)
     DELETE  {"id", "object": "response.deleted", "deleted": true}, or 404
 
 An error answer of the chat runner (a 4xx or 5xx, already in OpenAI's shape) goes to the client
@@ -19,7 +21,7 @@ from __future__ import annotations
 import codecs
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from starlette.responses import JSONResponse, Response
@@ -27,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from duplexkv.http.body import DEFAULT_MAX_JSON_DEPTH, parse_json
 from duplexkv.http.errors import APIError
 from duplexkv.http.responses_api.events import ResponseEvents
+from duplexkv.http.responses_api.input_items import chained, page, parse_query
 from duplexkv.http.responses_api.output import ResponseShape, new_id
 from duplexkv.http.responses_api.items import input_messages
 from duplexkv.http.responses_api.request import ResponsesRequest, parse_responses_request
@@ -34,6 +37,8 @@ from duplexkv.http.responses_api.store import ResponseStore, StoredResponse, Sto
 from duplexkv.http.sse import SSEResponse
 
 log = logging.getLogger("duplexkv.http")
+# what a request continues: the chain's chat history and its listed items (StoredResponse)
+Before = tuple[list[dict], list[dict]]
 
 
 def _no_key() -> str | None:
@@ -66,12 +71,12 @@ class ResponsesFront:
     async def create(self, raw: bytes, api_key: str | None, run: ChatRun) -> Response:
         """Raises APIError for the request's own mistakes (400, 404)."""
         req = parse_responses_request(parse_json(raw, self.max_json_depth))
-        history, key = [], None
+        history, key, chain = [], None, []
         if req.previous_response_id is not None:
             prev = await self.store.get(api_key, req.previous_response_id)
             if prev is None:
                 raise not_found(req.previous_response_id, "previous_response_id")
-            history, key = prev.history, prev.conversation_key
+            history, key, chain = prev.history, prev.conversation_key, prev.chain_items()
         chat = req.chat_body(history)
         if req.previous_response_id is not None and key is None:
             # the chain's first link kept no conversation (nothing recognised): from here on
@@ -85,13 +90,13 @@ class ResponsesFront:
         headers = {k: v for k, v in resp.headers.items()
                    if k.lower() in ("x-request-id", "cache-control")}
         if isinstance(resp, SSEResponse):
-            return SSEResponse(self._events(resp, req, history, shape, api_key, answer),
+            return SSEResponse(self._events(resp, req, (history, chain), shape, api_key, answer),
                                on_close=_closer(resp), headers=headers)
         out = shape.from_chat(json.loads(resp.body))
-        await self._save(api_key, req, history, out, answer)
+        await self._save(api_key, req, (history, chain), out, answer)
         return JSONResponse(out, headers=headers)
 
-    async def _events(self, resp: SSEResponse, req: ResponsesRequest, history: list[dict],
+    async def _events(self, resp: SSEResponse, req: ResponsesRequest, before: Before,
                       shape: ResponseShape, api_key: str | None,
                       answer: ChatAnswer) -> AsyncIterator[str]:
         events = ResponseEvents(shape)
@@ -108,16 +113,18 @@ class ResponsesFront:
                 return
         lines = events.finish()
         if not events.failed:
-            await self._save(api_key, req, history, events.response(), answer)
+            await self._save(api_key, req, before, events.response(), answer)
         for line in lines:
             yield line
 
-    async def _save(self, api_key: str | None, req: ResponsesRequest, history: list[dict],
+    async def _save(self, api_key: str | None, req: ResponsesRequest, before: Before,
                     response: dict, answer: ChatAnswer) -> None:
         if not req.store:
             return
+        history, chain = before
         ended = history + req.input_messages + input_messages(response["output"])
-        stored = StoredResponse(response, ended, answer.kept_key())
+        stored = StoredResponse(response, ended, answer.kept_key(),
+                                chained(chain, req.input_items))
         try:
             if not await self.store.put(api_key, stored):
                 log.warning("response %s not stored: larger than %d bytes", response["id"],
@@ -132,6 +139,22 @@ class ResponsesFront:
         if stored is None:
             return not_found(response_id).response()
         return JSONResponse(stored.response)
+
+    async def input_items(self, api_key: str | None, response_id: str,
+                          params: Mapping[str, str]) -> Response:
+        """A page of the items the response was generated from (input_items.py); a bad query
+        is a 400, an unknown response a 404."""
+        try:
+            query = parse_query(params)
+        except APIError as e:
+            return e.response()
+        stored = await self.store.get(api_key, response_id)
+        if stored is None:
+            return not_found(response_id).response()
+        try:
+            return JSONResponse(page(stored.items or [], query))
+        except APIError as e:
+            return e.response()
 
     async def delete(self, api_key: str | None, response_id: str) -> Response:
         if not await self.store.delete(api_key, response_id):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from duplexkv.http.errors import bad_request
+from duplexkv.http.responses_api.input_items import listed
 from duplexkv.http.responses_api.items import input_messages
 
 # our extensions, passed to the chat request as they are (the chat parser checks them)
@@ -45,6 +46,7 @@ class ResponsesRequest:
     stream: bool
     chat: dict  # the chat body's fields other than messages
     echo: dict = field(default_factory=dict)  # what the Response repeats of the request
+    input_items: list[dict] = field(default_factory=list)  # the input as listed (input_items.py)
 
     def chat_body(self, history: list[dict]) -> dict:
         """The chat request: instructions, then `history` (the stored chain), then the input."""
@@ -106,7 +108,7 @@ def parse_responses_request(body: dict) -> ResponsesRequest:
             "previous_response_id": prev, "store": store is not False,
             "text": {"format": (text or {}).get("format") or {"type": "text"}}}
     return ResponsesRequest(model, messages, instructions, prev, store is not False, stream,
-                            chat, echo)
+                            chat, echo, listed(body["input"]))
 
 
 def _typed(body: dict, name: str, kind: type | tuple[type, ...], what: str) -> Any:

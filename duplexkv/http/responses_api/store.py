@@ -1,8 +1,10 @@
-"""Stored responses: what `previous_response_id` continues and `GET /v1/responses/{id}` returns.
+"""Stored responses: what `previous_response_id` continues, `GET /v1/responses/{id}` returns and
+`GET /v1/responses/{id}/input_items` lists.
 
-A stored response keeps the Response object and the whole chat history it ended (the chain's
+A stored response keeps the Response object, the whole chat history it ended (the chain's
 messages, without its instructions, plus its own output as an assistant message), so a request
-naming it sends that history + its own input. With router keys, responses are namespaced by the
+naming it sends that history + its own input, and the items it was generated from
+(input_items.py). With router keys, responses are namespaced by the
 API key that made them: the store key is a digest of (key, response id), so another key's id is
 simply not found. Entries expire after `ttl_s` and the store keeps at most `max_entries` and
 `max_bytes` of them (oldest first out); a response larger than `max_entry_bytes` is not stored.
@@ -43,16 +45,24 @@ class StoredResponse:
     response: dict  # the Response object
     history: list[dict]  # the chat messages it ended, its output included
     conversation_key: str | None = None  # the router's conversation entry for the next turn
+    # the items it was generated from (input_items.py: the chain's inputs and outputs, then its
+    # own input); None for an entry stored before they were kept
+    items: list[dict] | None = None
 
     def dumps(self) -> str:
         return json.dumps({"response": self.response, "history": self.history,
-                           "conversation_key": self.conversation_key},
+                           "conversation_key": self.conversation_key, "items": self.items},
                           ensure_ascii=False, separators=(",", ":"))
 
     @classmethod
     def loads(cls, raw: str | bytes) -> StoredResponse:
         d = json.loads(raw)
-        return cls(d["response"], d["history"], d.get("conversation_key"))
+        return cls(d["response"], d["history"], d.get("conversation_key"), d.get("items"))
+
+    def chain_items(self) -> list[dict]:
+        """What a response continuing this one was generated from before its own input: these
+        items, then this response's output (without the items an older entry did not keep)."""
+        return [*(self.items or []), *self.response.get("output", [])]
 
 
 class ResponseStore(ABC):
