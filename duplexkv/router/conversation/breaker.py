@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 log = logging.getLogger("duplexkv.router")
+T = TypeVar("T")
 
 
 class BreakerOpen(Exception):
@@ -65,6 +67,21 @@ class Breaker:
     def abandon(self) -> None:
         """The call was cancelled before it ended: it tells nothing; let the next one probe."""
         self.probing = False
+
+    async def run(self, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()` if a call may be made now (else BreakerOpen), its outcome recorded: an
+        exception opens the breaker, a result closes it, a cancellation tells nothing."""
+        self.check()
+        try:
+            result = await call()
+        except Exception as e:
+            self.failure(e)
+            raise
+        except BaseException:  # cancelled (the client left): no verdict on the store
+            self.abandon()
+            raise
+        self.success()
+        return result
 
     def check(self) -> None:
         """Raise BreakerOpen unless a call may be made now."""

@@ -27,7 +27,7 @@ from duplexkv.http.responses_api.store import (
     StoreSkipped,
     response_key,
 )
-from duplexkv.router.conversation.breaker import Breaker
+from duplexkv.router.conversation.breaker import Breaker, BreakerOpen
 
 log = logging.getLogger("duplexkv.router")
 T = TypeVar("T")
@@ -126,21 +126,11 @@ class GuardedResponseStore(ResponseStore):
         self.breaker = Breaker("the response store", breaker_period_s)
 
     async def _call(self, call: Callable[[], Awaitable[T]], what: str) -> T:
-        if not self.breaker.allow():
-            log.debug("response store %s skipped: breaker open (%s)", what,
-                      self.breaker.last_error)
-            raise StoreSkipped(f"the response store is skipped after a failure "
-                               f"({self.breaker.last_error})")
         try:
-            result = await call()
-        except Exception as e:
-            self.breaker.failure(e)
-            raise
-        except BaseException:  # cancelled (the client left): no verdict on the store
-            self.breaker.abandon()
-            raise
-        self.breaker.success()
-        return result
+            return await self.breaker.run(call)
+        except BreakerOpen as e:
+            log.debug("response store %s skipped: %s", what, e)
+            raise StoreSkipped(str(e)) from None
 
     async def _lookup(self, call: Callable[[], Awaitable[T]], what: str) -> T:
         try:

@@ -254,17 +254,7 @@ class GuardedStore(ConversationStore):
         self.breaker = Breaker("the conversation store", breaker_period_s)
 
     async def _call(self, method, *args) -> Any:
-        self.breaker.check()
-        try:
-            result = await method(*args)
-        except Exception as e:
-            self.breaker.failure(e)
-            raise
-        except BaseException:  # cancelled (the client left): no verdict on the store
-            self.breaker.abandon()
-            raise
-        self.breaker.success()
-        return result
+        return await self.breaker.run(lambda: method(*args))
 
     async def take(self, key: str) -> TakeResult:
         return await self._call(self.inner.take, key)
