@@ -8,9 +8,11 @@ either): for a response that continued a chain (`previous_response_id`), the cha
 outputs first, in order, then the request's own input. A request's input is listed as OpenAI
 normalises it (`listed`): a string is one user message with an `input_text` part, a message's
 content a list of parts (`input_text`, or the assistant's `output_text`), every item has its
-`type`, an `id` and (but reasoning) a `status`. A client's own item ids are kept; one an earlier item of the list already has (an
-agent that sends a previous answer's items back) gets a new id, so every id names one item and
-pages by `after` / `before` stay well defined.
+`type`, an `id` and (but reasoning) a `status`. A client's own item ids are kept; one that an
+earlier item of the list already has (an agent that sends a previous answer's items back) gets a
+new id, so every id names one item and pages by `after` / `before` stay well defined. A response
+stored before items were kept (Redis across an upgrade) lists none, and one continuing it lists
+that response's output, then its own input.
 
 Query: `limit` 1-100 (20), `order` `desc` (the default, newest first) or `asc`, `after` (the page
 after that item) / `before` (the page just before it), each an item id of this list (any other is
