@@ -13,7 +13,6 @@ import pytest
 from duplexkv import LLM, SamplingParams
 from duplexkv.cli import main
 from duplexkv.layers import amx, decode_stack, native
-
 from duplexkv_bench.decode_profile import measure, preset_shape
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native kernels (no compiler)")

@@ -110,7 +110,7 @@ def test_a_rows_bits_do_not_depend_on_the_batch_its_place_or_the_threads(kernel,
 @pytest.mark.parametrize("bias", [False, True])
 def test_float_output_is_the_bf16_output_widened(kernel, n, k, bias):
     """The LM head asks for float32 logits: the kernel writes each bf16 result widened, the bits
-    of `.float()` on the bf16 output (columns past N untouched), for any row count."""
+    of `.float()` on the bf16 output, for any row count (N not a multiple of 32 included)."""
     x, w, b = _case(19, n, k, n + k, bias)
     packed = amx.pack(w)
     for m in (1, 2, 8, 19):

@@ -25,7 +25,8 @@ from test_router import ARGS, MODEL, bidi, start_router
 from workers import start_p_and_d, stopping
 
 from duplexkv.http.errors import APIError
-from duplexkv.http.responses_api.store import MemoryResponseStore, StoredResponse, StoreSkipped
+from duplexkv.http.responses_api.store import (MemoryResponseStore, StoredResponse, StoreSkipped,
+                                              response_key)
 from duplexkv.launch.ports import free_port
 from duplexkv.router.conversation.breaker import Breaker, BreakerOpen
 from duplexkv.router.conversation.response_store import GuardedResponseStore
@@ -424,6 +425,13 @@ def test_hung_redis_costs_the_responses_api_one_timeout_per_breaker_period(worke
         took, resp = _respond(r, previous_response_id=kept)
         assert resp.status_code == 200, resp.text
         assert r.get(f"/v1/responses/{resp.json()['id']}").status_code == 200  # stored again
+        # an entry that is not ours is absent (a 404), not a store failure: the next lookup
+        # still reaches the store (no breaker opened by it)
+        import redis
+
+        redis.Redis.from_url(url).set("duplexkv:resp:" + response_key(None, kept), b"{not json")
+        assert _timed_get(r, f"/v1/responses/{kept}")[1].status_code == 404
+        assert _timed_get(r, f"/v1/responses/{resp.json()['id']}")[1].status_code == 200
     finally:
         proc.send_signal(signal.SIGCONT)
         r.stop()

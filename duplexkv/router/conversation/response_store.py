@@ -96,7 +96,13 @@ class RedisResponseStore(ResponseStore):
 
     async def get(self, api_key: str | None, response_id: str) -> StoredResponse | None:
         raw = await self.redis.get(self._keys(api_key, response_id)[0])
-        return None if raw is None else StoredResponse.loads(raw)
+        if raw is None:
+            return None
+        try:
+            return StoredResponse.loads(raw)
+        except (ValueError, KeyError, TypeError) as e:  # not ours (written by hand?): not there
+            log.warning("stored response %.40s unreadable (%r): treated as absent", response_id, e)
+            return None
 
     async def put(self, api_key: str | None, entry: StoredResponse) -> bool:
         raw = entry.dumps().encode("utf-8", "surrogatepass")
