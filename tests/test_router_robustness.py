@@ -411,7 +411,8 @@ def test_hung_redis_costs_the_responses_api_one_timeout_per_breaker_period(worke
         assert sum(t >= timeout_s for t in times) <= 2 * periods, times
         assert sorted(times)[len(times) // 2] < timeout_s / 2, times  # most are quick
         for lookup in (lambda: _respond(r, previous_response_id=kept),
-                       lambda: _timed_get(r, f"/v1/responses/{kept}")):
+                       lambda: _timed_get(r, f"/v1/responses/{kept}"),
+                       lambda: _timed_get(r, f"/v1/responses/{kept}/input_items")):
             took, resp = lookup()
             assert resp.status_code == 503, resp.text
             assert resp.json()["error"]["type"] == "service_unavailable_error"

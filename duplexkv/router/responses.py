@@ -100,12 +100,9 @@ class ResponsesRoutes:
             return e.response()
 
     async def input_items(self, request: Request) -> Response:
-        try:
-            return await self.front.input_items(api_key_of(request.scope),
-                                                request.path_params["response_id"],
-                                                request.query_params)
-        except APIError as e:  # the store's 503
-            return e.response()
+        return await self.front.input_items(api_key_of(request.scope),
+                                            request.path_params["response_id"],
+                                            request.query_params)
 
     async def delete(self, request: Request) -> Response:
         try:

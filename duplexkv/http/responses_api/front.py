@@ -143,15 +143,13 @@ class ResponsesFront:
     async def input_items(self, api_key: str | None, response_id: str,
                           params: Mapping[str, str]) -> Response:
         """A page of the items the response was generated from (input_items.py); a bad query
-        is a 400, an unknown response a 404."""
+        is a 400 (checked before the store is asked), an unknown response a 404, a failing store
+        a 503."""
         try:
             query = parse_query(params)
-        except APIError as e:
-            return e.response()
-        stored = await self.store.get(api_key, response_id)
-        if stored is None:
-            return not_found(response_id).response()
-        try:
+            stored = await self.store.get(api_key, response_id)
+            if stored is None:
+                raise not_found(response_id)
             return JSONResponse(page(stored.items or [], query))
         except APIError as e:
             return e.response()
