@@ -4,12 +4,13 @@ Each test is a regression test for one finding measured on the unchanged router:
 (lone surrogates, 100k-deep JSON, oversized bodies and headers) must be a 4xx in OpenAI's error
 shape, a long X-Request-Id that ends in a space once cut must get a normal answer, and a hung
 Redis (SIGSTOP) must cost at most one store timeout per breaker period while /health says the
-store is degraded, recovering by itself after SIGCONT — the Responses API's store too. The router and the workers are real
-processes (the tiny model)."""
+store is degraded, recovering by itself after SIGCONT — the Responses API's store too. The router
+and the workers are real processes (the tiny model)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import shutil
@@ -30,6 +31,7 @@ from duplexkv.http.responses_api.store import (MemoryResponseStore, StoredRespon
 from duplexkv.launch.ports import free_port
 from duplexkv.router.conversation.breaker import Breaker, BreakerOpen
 from duplexkv.router.conversation.response_store import GuardedResponseStore
+from duplexkv.router.config import RouterConfig
 from duplexkv.router.conversation.store import GuardedStore, MemoryStore
 
 STORE_TIMEOUT_S = 1.0  # well above a normal request's time, even on a loaded machine
@@ -321,10 +323,9 @@ def _turn(router, conv_id: str, content: str) -> tuple[float, dict]:
 
 
 def _health(router) -> tuple[float, dict]:
-    t = time.monotonic()
-    r = router.get("/health")
+    took, r = _timed_get(router, "/health")
     assert r.status_code == 200, r.text
-    return time.monotonic() - t, r.json()
+    return took, r.json()
 
 
 def test_hung_redis_costs_at_most_one_timeout_per_breaker_period(workers, redis_proc, tmp):
@@ -391,7 +392,8 @@ def test_hung_redis_costs_the_responses_api_one_timeout_per_breaker_period(worke
     p, d = workers
     proc, url = redis_proc
     r = start_router(tmp / "router_responses_redis.log", [p.url], [d.url], "--store", url)
-    timeout_s, period_s = 0.5, 5.0  # RouterConfig's defaults
+    defaults = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+    timeout_s, period_s = defaults["store_timeout_s"], defaults["store_breaker_period_s"]
     try:
         took, first = _respond(r)
         assert first.status_code == 200, first.text
