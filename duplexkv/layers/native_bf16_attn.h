@@ -8,7 +8,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 
 #define AT_BK 64     /* keys per softmax step, blocks aligned to position 0 */
-#define AT_NC (AT_BK / 16) /* columns of 16 keys per block */
+#define AT_NC (AT_BK / 16) /* columns of 16 keys per block (at_softmax_rows adds 4) */
+_Static_assert(AT_NC == 4, "at_softmax_rows sums a block's 4 columns pairwise");
 #define AT_QB 128    /* folded query rows per task (8 tiles) */
 #define AT_MAX_D 256 /* head_dim: a multiple of 32 up to this */
 #define AT_NEG (-1e30f)
@@ -114,10 +115,11 @@ at_softmax_rows(const struct causal_job *j, struct at_scratch *w, int64_t t0, in
         for (int c = 0; c < AT_NC; c += 2)
             _mm512_store_si512(w->p + i * AT_BK + 16 * c,
                                (__m512i)_mm512_cvtne2ps_pbh(p[c + 1], p[c]));
-        for (int c = 1; c < AT_NC; c *= 2) /* pairwise: ((p0 + p1) + (p2 + p3)) + (...) */
-            for (int e = 0; e < AT_NC; e += 2 * c) p[e] = AT_ADD(p[e], p[e + c]);
+        /* pairwise, in registers (a loop over p[] went through the stack, a store and a reload
+         * per add on each row's critical path) */
+        const __m512 sum = AT_ADD(AT_ADD(p[0], p[1]), AT_ADD(p[2], p[3]));
         float *lv = w->lvec + (t0 + i) * 16;
-        _mm512_store_ps(lv, _mm512_fmadd_ps(_mm512_load_ps(lv), alpha, p[0]));
+        _mm512_store_ps(lv, _mm512_fmadd_ps(_mm512_load_ps(lv), alpha, sum));
     }
 }
 
