@@ -274,6 +274,32 @@ def test_bf16_elementwise_kernels_round_as_torchs_bf16_ops_and_keep_a_rows_bits(
         assert torch.equal(q2, q[rows]) and torch.equal(k2, k[rows])
 
 
+@pytest.mark.parametrize("d", [64, 128, 48])  # 16 lanes at a time (d % 32 == 0), and the loop
+def test_bf16_rope_rounds_each_step_exactly_as_torch_keeping_denormals(d):
+    """bf16 RoPE without a q/k norm: bf16(bf16(x1 c) - bf16(x2 s)) and bf16(bf16(x2 c) + bf16(x1 s))
+    bit for bit as torch's float32 products and roundings give them, denormals kept (an
+    instruction that flushes them, VCVTNEPS2BF16, would not be exact)."""
+    g = torch.Generator().manual_seed(d)
+    m, heads, kv_heads = 33, 4, 2
+    scale = torch.logspace(-38, 4, m).unsqueeze(1)  # rows from denormal products to large ones
+    qkv = (torch.randn(m, (heads + 2 * kv_heads) * d, generator=g) * scale).bfloat16()
+    qkv[0, :8] = torch.tensor([1e-39, -1e-39, 5e-40, 0.0, -0.0, 1.0, float("inf"), -3e38])
+    cos = torch.randn(m, d // 2, generator=g).bfloat16()
+    sin = torch.randn(m, d // 2, generator=g).bfloat16()
+    q, k = native.qk_norm_rope(qkv, None, cos, sin, heads, kv_heads, d, 1e-6)
+    x = qkv[:, : (heads + kv_heads) * d].view(m, heads + kv_heads, d).float()
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    c, s = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+
+    def bf(t):
+        return t.bfloat16().float()
+
+    want = torch.cat([bf(x1 * c) - bf(x2 * s), bf(x2 * c) + bf(x1 * s)], dim=-1).bfloat16()
+    assert (want.float().abs() < 1.2e-38).logical_and(want.float() != 0).any()  # denormals
+    got = torch.cat([q, k], dim=1)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_kernels_called_from_many_threads_at_once_are_right():
     """The kernels' thread pool runs one job at a time; callers that find it busy run alone."""
     from concurrent.futures import ThreadPoolExecutor

@@ -81,6 +81,53 @@ struct bf_rope_job {
     float eps;
 };
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* bf(f) of 16 floats, exactly as bf_round rounds (nearest-even, a denormal kept, a NaN made
+ * quiet; VCVTNEPS2BF16 would flush denormals): the rounded float, its low 16 bits zero */
+static inline __m512 bf16_exact(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f), top = _mm512_set1_epi32((int)0xffff0000u);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_and_si512(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), top);
+    return _mm512_castsi512_ps(_mm512_mask_and_epi32(
+        r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)), top));
+}
+
+/* bf_round of 16 floats into 16 bf16 at o */
+static inline void bf_store16_exact(uint16_t *o, __m512 f) {
+    _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(
+                                         _mm512_srli_epi32(_mm512_castps_si512(bf16_exact(f)), 16)));
+}
+
+/* one head of bf_rope_rows (D % 32 == 0), 16 lanes at a time: the same operations per element
+ * as the loops below, so the same bits (GCC vectorises those at 8 lanes: a layer's q/k norm and
+ * RoPE over 8k tokens, bench shapes, AMX Xeon, 2 threads, 3.0 -> 2.35 ms) */
+static void bf_rope_head16(const uint16_t *x, const uint16_t *w, const float *c, const float *s,
+                           uint16_t *o, int64_t D, float eps, float *t) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(t + i, bf_load16(x + i));
+    if (w) {
+        const __m512 r = _mm512_set1_ps(row_rms_scale(t, D, eps));
+        for (int64_t i = 0; i < D; i += 16)
+            _mm512_storeu_ps(t + i, bf16_exact(_mm512_mul_ps(
+                                        bf16_exact(_mm512_mul_ps(_mm512_loadu_ps(t + i), r)),
+                                        bf_load16(w + i))));
+    }
+    for (int64_t i = 0; i < half; i += 16) {
+        const __m512 x1 = _mm512_loadu_ps(t + i), x2 = _mm512_loadu_ps(t + half + i);
+        const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+        const __m512 lo = _mm512_sub_ps(bf16_exact(_mm512_mul_ps(x1, cv)),
+                                        bf16_exact(_mm512_mul_ps(x2, sv)));
+        const __m512 hi = _mm512_add_ps(bf16_exact(_mm512_mul_ps(x2, cv)),
+                                        bf16_exact(_mm512_mul_ps(x1, sv)));
+        bf_store16_exact(o + i, lo);
+        bf_store16_exact(o + half + i, hi);
+    }
+}
+#endif
+
 static void bf_rope_rows(void *ctx, int64_t m0, int64_t m1) {
     const struct bf_rope_job *j = ctx;
     const int64_t H = j->H, KVH = j->KVH, D = j->D, half = D / 2;
@@ -92,6 +139,12 @@ static void bf_rope_rows(void *ctx, int64_t m0, int64_t m1) {
         for (int64_t h = 0; h < H + KVH; h++) {
             const uint16_t *x = j->qkv + m * j->ld + h * D;
             uint16_t *o = h < H ? j->q + (m * H + h) * D : j->k + (m * KVH + h - H) * D;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+            if (D % 32 == 0) {
+                bf_rope_head16(x, j->wqk ? j->wqk + h * D : NULL, c, s, o, D, j->eps, t);
+                continue;
+            }
+#endif
 #pragma omp simd
             for (int64_t i = 0; i < D; i++) t[i] = bf_load(x[i]);
             if (j->wqk) {
