@@ -300,6 +300,21 @@ def test_bf16_rope_rounds_each_step_exactly_as_torch_keeping_denormals(d):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+def test_bf16_residual_add_rounds_exactly_as_torch_keeping_denormals():
+    """The residual stream of bf16 add + RMSNorm is torch's bf16 sum bit for bit, denormal sums
+    included (16 lanes at a time on AVX-512 BF16 CPUs; a flushing conversion would zero them)."""
+    g = torch.Generator().manual_seed(5)
+    m, n = 9, 512
+    scale = torch.logspace(-39, 2, m).unsqueeze(1)
+    x = (torch.randn(m, n, generator=g) * scale).bfloat16()
+    res = (torch.randn(m, n, generator=g) * scale).bfloat16()
+    want = (x.float() + res.float()).bfloat16()
+    assert (want.float().abs() < 1.2e-38).logical_and(want.float() != 0).any()  # denormals
+    stream = res.clone()
+    native.add_rmsnorm(x, stream, torch.ones(n).bfloat16(), 1e-6)
+    assert torch.equal(stream.view(torch.int16), want.view(torch.int16))
+
+
 def test_kernels_called_from_many_threads_at_once_are_right():
     """The kernels' thread pool runs one job at a time; callers that find it busy run alone."""
     from concurrent.futures import ThreadPoolExecutor
