@@ -42,11 +42,10 @@ struct bf_norm_job {
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-/* float arithmetic in the 16-lane paths goes through builtins with an explicit rounding, which
- * -ffast-math may not reassociate (a plain vector s * scale * w became s * (scale * w): other
- * bits than the loops'), as in the attention kernels */
-#define BF_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define BF_MUL(a, b) _mm512_mul_round_ps((a), (b), BF_RNE)
+/* float arithmetic in the 16-lane paths goes through builtins with an explicit rounding
+ * (V16_RNE, native_simd.h), which -ffast-math may not reassociate (a plain vector s * scale * w
+ * became s * (scale * w): other bits than the loops'), as in the attention kernels */
+#define BF_MUL(a, b) _mm512_mul_round_ps((a), (b), V16_RNE)
 
 /* bf(f) of 16 floats, exactly as bf_round rounds (nearest-even, a denormal kept, a NaN made
  * quiet; VCVTNEPS2BF16 would flush denormals): the rounded float, its low 16 bits zero */
@@ -69,21 +68,27 @@ static inline void bf_store16_exact(uint16_t *o, __m512 f) {
 
 /* row_rms_scale's end as GCC compiles it under -ffast-math (the 8 lanes summed as ((a0 + a4) +
  * (a2 + a6)) + ((a1 + a5) + (a3 + a7)), the mean as one FMA with 1/n, 1/sqrt as RSQRTSS and one
- * Newton step), written out: the 16-lane rows give the bits the loops gave (GCC 12, Sapphire
- * Rapids; compared on 23.6 M outputs with NaN, infinities and denormals among the inputs), and no
- * longer depend on what the compiler makes of the expression where it is inlined */
+ * Newton step), written out: the 16-lane paths (norm rows, q/k heads) give the bits the loops
+ * gave (GCC 12, Sapphire Rapids; compared on 35 M outputs with NaN, infinities and denormals
+ * among the inputs), and no longer depend on what the compiler makes of the expression where it
+ * is inlined */
 static inline float bf_rms_tail(__m256 acc, float inv_n, float eps) {
     const __m512 z = _mm512_castps256_ps512(acc);
-    const __m512 t = _mm512_add_round_ps(z, _mm512_shuffle_f32x4(z, z, 0x01), BF_RNE);
-    const __m512 u = _mm512_add_round_ps(t, _mm512_permute_ps(t, 0x0e), BF_RNE);
-    const __m512 h = _mm512_add_round_ps(u, _mm512_permute_ps(u, 0x01), BF_RNE);
+    const __m512 t = _mm512_add_round_ps(z, _mm512_shuffle_f32x4(z, z, 0x01), V16_RNE);
+    const __m512 u = _mm512_add_round_ps(t, _mm512_permute_ps(t, 0x0e), V16_RNE);
+    const __m512 h = _mm512_add_round_ps(u, _mm512_permute_ps(u, 0x01), V16_RNE);
     const __m128 x = _mm_fmadd_round_ss(_mm512_castps512_ps128(h), _mm_set_ss(inv_n),
-                                        _mm_set_ss(eps), BF_RNE);
+                                        _mm_set_ss(eps), V16_RNE);
     const __m128 y = _mm_rsqrt_ss(x);
-    const __m128 e = _mm_fmadd_round_ss(_mm_mul_round_ss(y, x, BF_RNE), y, _mm_set_ss(-3.0f),
-                                        BF_RNE);
-    return _mm_cvtss_f32(_mm_mul_round_ss(e, _mm_mul_round_ss(y, _mm_set_ss(-0.5f), BF_RNE),
-                                          BF_RNE));
+    const __m128 e = _mm_fmadd_round_ss(_mm_mul_round_ss(y, x, V16_RNE), y, _mm_set_ss(-3.0f),
+                                        V16_RNE);
+    return _mm_cvtss_f32(_mm_mul_round_ss(e, _mm_mul_round_ss(y, _mm_set_ss(-0.5f), V16_RNE),
+                                          V16_RNE));
+}
+
+/* 1/n rounded once, as row_rms_scale's compiled form takes it */
+static inline float bf_inv(int64_t n) {
+    return _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(1.0f), _mm_set_ss((float)n), V16_RNE));
 }
 
 #define BF_NORM_ROWS 4 /* rows a pass takes together: their sums of squares are four chains */
@@ -94,7 +99,7 @@ static inline float bf_rms_tail(__m256 acc, float inv_n, float eps) {
  * (as row_rms_scale), the rows' chains side by side instead of one after another (each row's
  * chain of N / 8 dependent FMAs was its critical path: 8k x 512, 2 threads, 1.40 -> 1.04 ms) */
 static void bf_norm_rows16(uint16_t *x, const uint16_t *res, const uint16_t *w, uint16_t *out,
-                           int rows, int64_t N, float eps) {
+                           int rows, int64_t N, float inv_n, float eps) {
     __m256 acc[BF_NORM_ROWS];
     for (int q = 0; q < rows; q++) acc[q] = _mm256_setzero_ps();
     for (int64_t i = 0; i < N; i += 16)
@@ -102,14 +107,12 @@ static void bf_norm_rows16(uint16_t *x, const uint16_t *res, const uint16_t *w, 
             uint16_t *xq = x + q * N + i;
             __m512 h = bf_load16(xq);
             if (res) {
-                h = bf16_exact(_mm512_add_round_ps(h, bf_load16(res + q * N + i), BF_RNE));
+                h = bf16_exact(_mm512_add_round_ps(h, bf_load16(res + q * N + i), V16_RNE));
                 bf_store16_exact(xq, h);
             }
             const __m256 lo = _mm512_castps512_ps256(h), hi = _mm512_extractf32x8_ps(h, 1);
             acc[q] = _mm256_fmadd_ps(hi, hi, _mm256_fmadd_ps(lo, lo, acc[q]));
         }
-    const float inv_n = _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(1.0f), _mm_set_ss((float)N),
-                                                       BF_RNE));
     for (int q = 0; q < rows; q++) {
         const __m512 sc = _mm512_set1_ps(bf_rms_tail(acc[q], inv_n, eps));
         for (int64_t i = 0; i < N; i += 16)
@@ -123,13 +126,13 @@ static void bf_norm_rows(void *ctx, int64_t m0, int64_t m1) {
     const struct bf_norm_job *j = ctx;
     const int64_t N = j->N;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+    const float inv_n = bf_inv(N);
     for (int64_t m = m0; m < m1; m += BF_NORM_ROWS) {
         const int rows = m1 - m < BF_NORM_ROWS ? (int)(m1 - m) : BF_NORM_ROWS;
         bf_norm_rows16(j->x + m * N, j->res ? j->res + m * N : NULL, j->w, j->out + m * N, rows,
-                       N, j->eps);
+                       N, inv_n, j->eps);
     }
-    return;
-#endif
+#else
     float s[BF_MAX_N] __attribute__((aligned(32)));
     for (int64_t m = m0; m < m1; m++) {
         uint16_t *x = j->x + m * N, *o = j->out + m * N;
@@ -149,6 +152,7 @@ static void bf_norm_rows(void *ctx, int64_t m0, int64_t m1) {
 #pragma omp simd
         for (int64_t i = 0; i < N; i++) o[i] = bf_round(s[i] * scale * bf_load(j->w[i]));
     }
+#endif
 }
 
 /* x [M, N], res [M, N] or NULL, w [N], all bf16: with res, x = bf16(x + res) first (the new
@@ -172,11 +176,17 @@ struct bf_rope_job {
  * as the loops below, so the same bits (GCC vectorises those at 8 lanes: a layer's q/k norm and
  * RoPE over 8k tokens, bench shapes, AMX Xeon, 2 threads, 3.0 -> 2.35 ms) */
 static void bf_rope_head16(const uint16_t *x, const uint16_t *w, const float *c, const float *s,
-                           uint16_t *o, int64_t D, float eps, float *t) {
+                           uint16_t *o, int64_t D, float inv_d, float eps, float *t) {
     const int64_t half = D / 2;
-    for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(t + i, bf_load16(x + i));
+    __m256 acc = _mm256_setzero_ps(); /* the squares, 8 lanes at a time in order (row_rms_scale) */
+    for (int64_t i = 0; i < D; i += 16) {
+        const __m512 v = bf_load16(x + i);
+        _mm512_storeu_ps(t + i, v);
+        const __m256 lo = _mm512_castps512_ps256(v), hi = _mm512_extractf32x8_ps(v, 1);
+        acc = _mm256_fmadd_ps(hi, hi, _mm256_fmadd_ps(lo, lo, acc));
+    }
     if (w) {
-        const __m512 r = _mm512_set1_ps(row_rms_scale(t, D, eps));
+        const __m512 r = _mm512_set1_ps(bf_rms_tail(acc, inv_d, eps));
         for (int64_t i = 0; i < D; i += 16)
             _mm512_storeu_ps(t + i, bf16_exact(BF_MUL(bf16_exact(BF_MUL(_mm512_loadu_ps(t + i), r)),
                                                       bf_load16(w + i))));
@@ -185,9 +195,9 @@ static void bf_rope_head16(const uint16_t *x, const uint16_t *w, const float *c,
         const __m512 x1 = _mm512_loadu_ps(t + i), x2 = _mm512_loadu_ps(t + half + i);
         const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
         const __m512 lo = _mm512_sub_round_ps(bf16_exact(BF_MUL(x1, cv)),
-                                              bf16_exact(BF_MUL(x2, sv)), BF_RNE);
+                                              bf16_exact(BF_MUL(x2, sv)), V16_RNE);
         const __m512 hi = _mm512_add_round_ps(bf16_exact(BF_MUL(x2, cv)),
-                                              bf16_exact(BF_MUL(x1, sv)), BF_RNE);
+                                              bf16_exact(BF_MUL(x1, sv)), V16_RNE);
         bf_store16_exact(o + i, lo);
         bf_store16_exact(o + half + i, hi);
     }
@@ -197,6 +207,9 @@ static void bf_rope_head16(const uint16_t *x, const uint16_t *w, const float *c,
 static void bf_rope_rows(void *ctx, int64_t m0, int64_t m1) {
     const struct bf_rope_job *j = ctx;
     const int64_t H = j->H, KVH = j->KVH, D = j->D, half = D / 2;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    const float inv_d = bf_inv(D);
+#endif
     float t[MAX_D] __attribute__((aligned(32)));
     float c[MAX_D / 2], s[MAX_D / 2];
     for (int64_t m = m0; m < m1; m++) {
@@ -207,7 +220,7 @@ static void bf_rope_rows(void *ctx, int64_t m0, int64_t m1) {
             uint16_t *o = h < H ? j->q + (m * H + h) * D : j->k + (m * KVH + h - H) * D;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
             if (D % 32 == 0) {
-                bf_rope_head16(x, j->wqk ? j->wqk + h * D : NULL, c, s, o, D, j->eps, t);
+                bf_rope_head16(x, j->wqk ? j->wqk + h * D : NULL, c, s, o, D, inv_d, j->eps, t);
                 continue;
             }
 #endif
