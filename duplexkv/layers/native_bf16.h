@@ -86,6 +86,12 @@ static inline float bf_rms_tail(__m256 acc, float inv_n, float eps) {
                                           V16_RNE));
 }
 
+/* acc + the squares of v's 16 values, 8 lanes at a time in order (row_rms_scale's chain) */
+static inline __m256 bf_sq_acc(__m256 acc, __m512 v) {
+    const __m256 lo = _mm512_castps512_ps256(v), hi = _mm512_extractf32x8_ps(v, 1);
+    return _mm256_fmadd_ps(hi, hi, _mm256_fmadd_ps(lo, lo, acc));
+}
+
 /* 1/n rounded once, as row_rms_scale's compiled form takes it */
 static inline float bf_inv(int64_t n) {
     return _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(1.0f), _mm_set_ss((float)n), V16_RNE));
@@ -110,8 +116,7 @@ static void bf_norm_rows16(uint16_t *x, const uint16_t *res, const uint16_t *w, 
                 h = bf16_exact(_mm512_add_round_ps(h, bf_load16(res + q * N + i), V16_RNE));
                 bf_store16_exact(xq, h);
             }
-            const __m256 lo = _mm512_castps512_ps256(h), hi = _mm512_extractf32x8_ps(h, 1);
-            acc[q] = _mm256_fmadd_ps(hi, hi, _mm256_fmadd_ps(lo, lo, acc[q]));
+            acc[q] = bf_sq_acc(acc[q], h);
         }
     for (int q = 0; q < rows; q++) {
         const __m512 sc = _mm512_set1_ps(bf_rms_tail(acc[q], inv_n, eps));
@@ -178,12 +183,11 @@ struct bf_rope_job {
 static void bf_rope_head16(const uint16_t *x, const uint16_t *w, const float *c, const float *s,
                            uint16_t *o, int64_t D, float inv_d, float eps, float *t) {
     const int64_t half = D / 2;
-    __m256 acc = _mm256_setzero_ps(); /* the squares, 8 lanes at a time in order (row_rms_scale) */
+    __m256 acc = _mm256_setzero_ps(); /* the squares, for the norm (w) only */
     for (int64_t i = 0; i < D; i += 16) {
         const __m512 v = bf_load16(x + i);
         _mm512_storeu_ps(t + i, v);
-        const __m256 lo = _mm512_castps512_ps256(v), hi = _mm512_extractf32x8_ps(v, 1);
-        acc = _mm256_fmadd_ps(hi, hi, _mm256_fmadd_ps(lo, lo, acc));
+        if (w) acc = bf_sq_acc(acc, v);
     }
     if (w) {
         const __m512 r = _mm512_set1_ps(bf_rms_tail(acc, inv_d, eps));
