@@ -54,9 +54,9 @@ from duplexkv_bench.machine_limits import Bandwidth, cpu_line, in_worker_env, lo
 
 PROBE = Path(__file__).with_name("read_probe.c")
 PROBE_FLAGS = ["-O3", "-march=native", "-fPIC", "-pthread", "-std=gnu11"]  # no -ffast-math
-# key rows the float32 decode attention asks for ahead: the AVX2 one-pass kernel's FA_AHEAD
-# (native_f32_attn_avx2.h), the AVX-512 three-pass kernel's PREFETCH (native_f32_attn.h)
-AHEAD_AVX2, AHEAD_AVX512 = 12, 16
+# key rows the float32 decode attention asks for ahead: the one-pass kernel's FA_AHEAD
+# (native_f32_attn_onepass.h) on AVX2 and on AVX-512 builds
+AHEAD_AVX2, AHEAD_AVX512 = 12, 24
 
 
 def probe_library() -> ctypes.CDLL:

@@ -85,6 +85,31 @@ def test_decode_attention_reads_token_major_gathers():
     torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", ["rising", "falling", "spikes"])
+def test_decode_attention_follows_a_maximum_that_moves(shape):
+    # the one-pass kernel's online softmax rescales a query's sum and accumulators whenever a
+    # block of keys brings a new maximum: scores that rise along the keys (a new maximum in every
+    # block, the older weights scaled to nothing), fall (the first block's maximum holds) or
+    # jump between blocks and chunks, against float64
+    g = torch.Generator().manual_seed(3)
+    kvh, group, d, n = 2, 4, 64, 1500
+    k, v = torch.randn(kvh, n, d, generator=g), torch.randn(kvh, n, d, generator=g)
+    ramp = torch.linspace(0.05, 4.0, n)
+    if shape == "rising":
+        k *= ramp[None, :, None]
+    elif shape == "falling":
+        k *= ramp.flip(0)[None, :, None]
+    else:
+        k[:, torch.randint(0, n, (40,), generator=g)] *= 8.0
+    q = torch.randn(1, kvh * group, d, generator=g)
+    scale = d**-0.5
+    out = native.decode_attention(q, [k], [v], scale)
+    kd, vd = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
+    p = torch.softmax(torch.einsum("hd,hnd->hn", q[0].double(), kd) * scale, -1)
+    ref = torch.einsum("hn,hnd->hd", p, vd)
+    torch.testing.assert_close(out[0].double(), ref, rtol=1e-5, atol=2e-6)
+
+
 def test_decode_attention_refuses_what_does_not_fit():
     # the kernel reads raw pointers: a misfit must be an error, never a read past the tensors
     q, kv = torch.randn(2, 8, 64), torch.randn(2, 100, 64)

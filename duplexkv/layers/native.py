@@ -51,7 +51,7 @@ SOURCE = Path(__file__).with_name("native_kernels.c")
 SOURCES = (SOURCE, *(SOURCE.with_name(h) for h in (
     "native_pool.h", "native_simd.h", "native_amx.h", "native_amx_attn.h", "native_vdp.h",
     "native_bf16_attn.h", "native_vdp_attn.h", "native_bf16.h", "native_f32_attn.h",
-    "native_f32_attn_avx2.h", "native_f32_prefill.h", "native_causal.h", "native_f32_decode.h",
+    "native_f32_attn_onepass.h", "native_f32_prefill.h", "native_causal.h", "native_f32_decode.h",
     "native_bf16_decode.h")))
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fPIC", "-std=gnu11",
                  "-pthread"]

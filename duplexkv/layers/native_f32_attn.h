@@ -3,37 +3,38 @@
  * step in one call (native.py `decode_attention`).
  *
  * The keys are split in chunks of CHUNK (flash-decoding): each unit (sequence, KV head, chunk)
- * computes its softmax partials in three passes over the chunk, then a second job merges a head's
- * chunks by their maxima. A key or value row j of KV head h sits at base + h * head_stride +
- * j * row_stride floats, so a contiguous mirror [KVH, cap, D] and a gathered [L, KVH, D] both fit.
+ * computes its softmax partials, then a second job merges a head's chunks by their maxima. A key
+ * or value row j of KV head h sits at base + h * head_stride + j * row_stride floats, so a
+ * contiguous mirror [KVH, cap, D] and a gathered [L, KVH, D] both fit.
+ *
+ * AVX-512 and AVX2 builds compute a chunk in one pass (native_f32_attn_onepass.h: online softmax,
+ * keys and values streamed together, exp2 in log2 units by v16_exp2 / v8_exp2, native_simd.h).
+ * Other builds (8-float vectors without AVX2) take three passes over it here:
  *
  *   scores   VL keys at a time meet each of the G queries while they are in L1 (their dot
- *            products summed across lanes by one transposing reduction); the chunk's value rows
- *            are prefetched meanwhile, so memory keeps streaming while the later passes compute
- *   softmax  the chunk's maximum and exponentials, per query
+ *            products summed across lanes by one transposing reduction)
+ *   softmax  the chunk's maximum and exponentials (glibc's vector expf), per query
  *   P . V    each value row read once for up to FA_ACC / vectors-per-row queries, their
- *            accumulators in registers (pv_block, specialised by shape)
+ *            accumulators in registers (pv_block, specialised by shape); meanwhile the next
+ *            chunk's key and value rows are prefetched
  *
- * AVX2 builds compute a chunk in one pass instead (native_f32_attn_avx2.h: online softmax, keys
- * and values streamed together). Vectors are as wide as the build's CPU allows: 16 floats on
- * AVX-512 (scores in log2 units and exp2 by v16_exp2, native_simd.h), 8 elsewhere (AVX2: log2
- * units and v8_exp2; other builds: glibc's vector expf). A unit's grain of chunks
- * is claimed whole, so a thread walks one head's keys in order (the hardware prefetcher's best
- * case). The head size must be a multiple of 16 (native.py `attention_ok`).
+ * Vectors are as wide as the build's CPU allows: 16 floats on AVX-512, 8 elsewhere. A unit's grain
+ * of chunks is claimed whole, so a thread walks one head's keys in order (the hardware
+ * prefetcher's best case). The head size must be a multiple of 16 (native.py `attention_ok`).
  */
 #define MAX_G 16
 #define MAX_D 512
 #define CHUNK 256
-#define PREFETCH 16 /* key rows ahead */
+#define PREFETCH 16 /* key rows ahead (the three passes) */
 /* chunks a thread claims at least at once: 2k keys walked in order (a batch-1 step at 4k had
  * grains of 2 chunks, the two threads alternating over a head's keys) */
 #define GRAIN_MIN 8
 
 #if VL == 16 /* the build's vector width (native_kernels.c) */
 #define FA_ACC 16 /* P.V accumulators kept in registers (of 32) */
+#define FA_ONE_PASS 1 /* the one-pass kernel: log2 units, v16_exp2 */
 #define FA_LOG2E 1.4426950408889634f
 #define FA_EXP_SCALAR exp2f
-#define FA_ONE_PASS 0
 #else
 /* of 16: 3 vectors of a value row x 4 queries (8 accumulators were bound by the FMA latency,
  * not by the loads) */
@@ -49,10 +50,11 @@
 #endif
 #endif
 
-/* key rows ahead and the chunk's value rows, both into L2 (locality 2): L1 hints for the values
- * were 8 % slower (bench model, 8 x 4k, AMX Xeon); for the keys, 16 rows ahead into L2 instead of
- * 32 into L1 made a call 0.87-0.92x at 8 x 4k and 8 x 8k, 0.94-0.98x at 1 x 4k-8k (AMD Zen 4, 2
- * threads, KV out of cache, builds alternated; 8 rows ahead into L2 or 16 into L1: no gain) */
+/* key and value rows prefetched into L2 (locality 2). Measured on the AVX-512 three-pass kernel,
+ * before the one-pass one replaced it there: L1 hints for the values were 8 % slower (bench model,
+ * 8 x 4k, AMX Xeon); for the keys, 16 rows ahead into L2 instead of 32 into L1 made a call
+ * 0.87-0.92x at 8 x 4k and 8 x 8k, 0.94-0.98x at 1 x 4k-8k (AMD Zen 4, 2 threads, KV out of cache,
+ * builds alternated; 8 rows ahead into L2 or 16 into L1: no gain) */
 #define KHINT 2
 #define VHINT 2
 #define prefetch_rows(base, row_stride, D, rows, hint)                                         \
@@ -98,7 +100,7 @@ static inline float key_score(const float *qg, const float *kr, int64_t nv, floa
 }
 
 #if FA_ONE_PASS
-#include "native_f32_attn_avx2.h"
+#include "native_f32_attn_onepass.h"
 #else
 /* The chunk's scores times its value rows for queries g0 .. g0 + gb - 1 and vectors c0 .. c0 +
  * db - 1 of the row: gb * db accumulators that stay in registers (db, gb: compile-time). The
@@ -144,12 +146,6 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
     for (int64_t j = 0; j < full; j += VL) {
         if (j + PREFETCH + VL <= n)
             prefetch_rows(kc + (j + PREFETCH) * row_stride, row_stride, D, VL, KHINT);
-#if VL == 16 /* not on 8-float builds: on AVX2, before the one-pass kernel, the P.V pass's
-             * prefetch of the next chunk and the hardware's brought the values, and without this
-             * a call ran 0.85-0.97x (AMD EPYC Zen 2, 2 threads, bench shapes, KV out of cache,
-             * 4k x 1, 4k x 8, 8k x 1; with FA_ACC 12) */
-        prefetch_rows(vc + j * row_stride, row_stride, D, VL, VHINT); /* for the P.V pass */
-#endif
         for (int64_t g = 0; g < G; g++)
             *(vf *)(s[g] + j) = block_scores(q + g * D, kc + j * row_stride, row_stride, nv, sc);
     }
@@ -159,37 +155,18 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
         for (int64_t j = full; j < n; j++) s[g][j] = key_score(qg, kc + j * row_stride, nv, sc);
         float mx = -FLT_MAX, sum = 0.0f;
         for (int64_t j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
-#if VL == 16
-        const __m512 m = _mm512_set1_ps(mx);
-        __m512 tot = _mm512_setzero_ps();
-        int64_t j = 0;
-        for (; j < full; j += 16) {
-            const __m512 e = v16_exp2(_mm512_sub_ps(_mm512_load_ps(s[g] + j), m));
-            _mm512_store_ps(s[g] + j, e);
-            tot = _mm512_add_ps(tot, e);
-        }
-        sum = _mm512_reduce_add_ps(tot);
-        for (; j < n; j++) {
-            s[g][j] = exp2f(s[g][j] - mx);
-            sum += s[g][j];
-        }
-#else
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; j++) {
             s[g][j] = expf(s[g][j] - mx);
             sum += s[g][j];
         }
-#endif
         float *pg = part + g * (D + 2);
         pg[0] = mx;
         pg[1] = sum;
     }
     for (int64_t c0 = 0; c0 < nv;) {
-#if VL == 16
-        const int db = nv - c0 >= 4 ? 4 : nv - c0 >= 2 ? 2 : 1;
-#else /* three vectors of the row at a time (the fourth would leave no register free) */
+        /* three vectors of the row at a time (the fourth would leave no register free) */
         const int db = nv - c0 >= 3 ? 3 : nv - c0 >= 2 ? 2 : 1;
-#endif
         for (int64_t g0 = 0; g0 < G;) {
             const int left = (int)(G - g0);
             const int gb = left >= 4 && 4 * db <= FA_ACC   ? 4
