@@ -382,6 +382,22 @@ def test_a_forked_child_runs_the_kernels():
     pytest.fail("the forked child's kernel call did not return")
 
 
+def _run_checks_in_a_build_for(march: str, tmp_path: Path, also: list[Path]) -> None:
+    """The float32 checks of this file (and the files in `also`) in a process of its own whose
+    kernels are built with `-march=march` instead of for this CPU."""
+    code = ("import sys, pytest\nfrom duplexkv.layers import native\n"
+            f"native.COMPILE_FLAGS[native.COMPILE_FLAGS.index('-march=native')] = '-march={march}'\n"
+            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', "
+            "'(decode or linear or rmsnorm or rope or silu) and not build and not engine'])"
+            + "".join(f" or pytest.main(['-q', '-p', 'no:cacheprovider', {str(f)!r}])" for f in also)
+            + ")\n")
+    env = {**os.environ, "DUPLEXKV_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and (tmp_path / "kernels").is_dir()
+
+
 def test_the_avx2_build_is_right_on_a_cpu_with_more(tmp_path):
     """The kernels are built for the CPU they run on, so a machine with AVX-512 never runs their
     8-float paths (AVX2 CPUs, the project's AMD kind). Build them for Haswell here too and run the
@@ -389,16 +405,16 @@ def test_the_avx2_build_is_right_on_a_cpu_with_more(tmp_path):
     it, in a process of its own."""
     if platform.machine() != "x86_64" or "avx512f" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU's own build is the AVX2 (or non-x86) one: the tests above ran it")
-    code = ("import sys, pytest\nfrom duplexkv.layers import native\n"
-            "native.COMPILE_FLAGS[native.COMPILE_FLAGS.index('-march=native')] = '-march=haswell'\n"
-            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', "
-            "'(decode or linear or rmsnorm or rope or silu) and not avx2 and not engine']) or "
-            f"pytest.main(['-q', '-p', 'no:cacheprovider', {str(F32_TESTS)!r}]))\n")
-    env = {**os.environ, "DUPLEXKV_CACHE_DIR": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and (tmp_path / "kernels").is_dir()
+    _run_checks_in_a_build_for("haswell", tmp_path, [F32_TESTS])
+
+
+def test_a_build_without_avx2_is_right_too(tmp_path):
+    """Builds without AVX2 (8-float vectors, no FMA: e.g. x86-64-v2) keep the three-pass decode
+    attention, which AVX2 and AVX-512 builds no longer run (native_f32_attn.h): the float32
+    checks above against it (their prefill attention is PyTorch's there)."""
+    if platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU's own build has no AVX2: the tests above ran it")
+    _run_checks_in_a_build_for("x86-64-v2", tmp_path, [])
 
 
 def test_loading_the_kernels_keeps_denormals():
