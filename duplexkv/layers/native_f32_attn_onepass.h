@@ -26,17 +26,19 @@
  * 8 x 4k and 8 x 8k, 32 and 48 no better, 8 1.05x. */
 #if VL == 16
 #define FA_AHEAD 24
-#define FA_DB 4 /* vectors of a value row per P.V block: 4 x 4 queries = FA_ACC 16 */
 #define FA_PIN(v) ((void)0) /* 32 registers: nothing to pin */
 static inline float hmaxv(vf a) { return _mm512_reduce_max_ps((__m512)a); }
 static inline vf exp2v(vf x) { return (vf)v16_exp2((__m512)x); }
 #else
 #define FA_AHEAD 12
-#define FA_DB 3 /* three vectors of a value row at a time (a fourth would leave no register free) */
 #define FA_PIN(v) V8_PIN(v)
 static inline float hmaxv(vf a) { return v8_hmax((__m256)a); }
 static inline vf exp2v(vf x) { return (vf)v8_exp2((__m256)x); }
 #endif
+
+/* vectors of a value row per P.V block: FA_ACC accumulators over up to 4 queries (AVX-512 4 x 4,
+ * AVX2 3 x 4: a fourth vector would leave no register free) */
+#define FA_DB (FA_ACC / 4)
 
 /* acc[g0 .. g0 + gb - 1][c0 .. c0 + db - 1 vectors] += p[g][t] * value row t, for the block's nb
  * rows: gb * db accumulators in registers (db, gb: compile-time; FA_SHAPES) */
@@ -114,9 +116,7 @@ static void attn_chunk(const float *q, const float *k, const float *v, int64_t r
             const int db = nv - c0 >= FA_DB ? FA_DB : nv - c0 >= 2 ? 2 : 1;
             for (int64_t g0 = 0; g0 < G;) {
                 const int left = (int)(G - g0);
-                const int gb = left >= 4 && 4 * db <= FA_ACC   ? 4
-                               : left >= 2 && 2 * db <= FA_ACC ? 2
-                                                               : 1;
+                const int gb = left >= 4 ? 4 : left >= 2 ? 2 : 1; /* gb * db <= FA_ACC */
 #define PV(DB, GB) pv_rows(p, vb, row_stride, nb, g0, c0, DB, GB, acc, D)
                 FA_SHAPES(db, gb, PV) /* on AVX2 db <= 3: the 4-vector shapes are never taken */
 #undef PV
