@@ -16,8 +16,7 @@ _Static_assert(AT_NC == 4, "at_softmax_rows sums a block's 4 columns pairwise");
 /* Arithmetic whose rounding a row's bits depend on goes through builtins the compiler may not
  * reassociate, contract or replace (the build uses -ffast-math, under which GCC treats plain
  * vector + - * / as algebra): FMAs, and adds and divides with an explicit rounding mode. */
-#define AT_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define AT_ADD(a, b) _mm512_add_round_ps((a), (b), AT_RNE)
+#define AT_ADD(a, b) _mm512_add_round_ps((a), (b), V16_RNE) /* V16_RNE: native_simd.h */
 #define AT_PF 256 /* rows ahead to prefetch K and V into L2 (never faults, even past the end) */
 
 /* a thread's scratch, for AT_MAX_D */
@@ -164,13 +163,13 @@ static void at_softmax(const struct causal_job *j, struct at_scratch *w, int64_t
     }
     const __m512 lo8 = v16_rowmax8(mx), hi8 = v16_rowmax8(mx + 8); /* lanes 0-7 each */
     const __m512 bm = _mm512_mul_round_ps(_mm512_shuffle_f32x4(lo8, hi8, 0x44),
-                                          _mm512_set1_ps(j->sl), AT_RNE);
+                                          _mm512_set1_ps(j->sl), V16_RNE);
     const __m512 mold = _mm512_loadu_ps(w->m + t0); /* max: bm if larger, else the old maximum */
     const __m512 mnew = _mm512_mask_max_ps(mold, (__mmask16)_bzhi_u32(0xffffu, (unsigned)real),
                                            bm, mold);
     float m_new[16] __attribute__((aligned(64)));
     _mm512_store_ps(m_new, mnew);
-    _mm512_store_ps(w->alpha, v16_exp2(_mm512_sub_round_ps(mold, mnew, AT_RNE)));
+    _mm512_store_ps(w->alpha, v16_exp2(_mm512_sub_round_ps(mold, mnew, V16_RNE)));
     _mm512_storeu_ps(w->m + t0, mnew);
     if (masked)
         at_softmax_rows(j, w, t0, real, m_new, mk, 1);
@@ -222,8 +221,8 @@ static void at_store(const struct causal_job *j, const struct at_scratch *w,
         uint16_t *o = (uint16_t *)j->out + ((qrow + pi) * H + t->kvh * G + g) * D;
         const float *acc = w->acc + i * D;
         for (int64_t c = 0; c < D; c += 32) {
-            const __m512 lo = _mm512_div_round_ps(_mm512_load_ps(acc + c), l, AT_RNE);
-            const __m512 hi = _mm512_div_round_ps(_mm512_load_ps(acc + c + 16), l, AT_RNE);
+            const __m512 lo = _mm512_div_round_ps(_mm512_load_ps(acc + c), l, V16_RNE);
+            const __m512 hi = _mm512_div_round_ps(_mm512_load_ps(acc + c + 16), l, V16_RNE);
             _mm512_storeu_si512(o + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
