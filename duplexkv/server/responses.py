@@ -24,10 +24,12 @@ from duplexkv.http.openai import Kind
 from duplexkv.server.chat_output import ChoiceParser
 
 DONE = "data: [DONE]\n\n"
+# one encoder for every chunk: json.dumps builds a new one per call when given options
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_JSON.encode(obj)}\n\n"
 
 
 def cached_tokens(out: RequestOutput) -> int:
