@@ -11,6 +11,8 @@ from test_router import OUT, SYSTEM, chat, conv, start_router, user
 from test_router import oracle, redis_url, tmp, workers  # noqa: F401 - the same fixtures
 from workers import stopping
 
+from duplexkv.model.tokenizer import Tokenizer
+
 KA, KB = "recognise-key-a", "recognise-key-b"
 
 
@@ -114,7 +116,23 @@ def test_an_explicit_id_wins(router, oracle):
     assert text3 == oracle(messages)
 
 
-def test_shared_prefixes_and_edited_histories_answer_as_reuse_off(router, oracle):
+def stop_across_two_tokens(tok: Tokenizer, full: str, ids: list[int]) -> tuple[str, str]:
+    """A stop string made of the text of two whole answer tokens k and k + 1 (nearest the middle),
+    first found where token k starts -> (stop, the answer before it). Only token k + 1 completes
+    it, so D holds token k's KV while the cut answer lacks its text. (A stop string taken from the
+    characters alone may lie inside the one token that completes it: then the answer covers all
+    that D kept, which passed the assertion below only by chance.)"""
+    texts = [tok.decode(ids[:i]) for i in range(len(ids) + 1)]
+    for k in sorted(range(1, len(ids) - 1), key=lambda k: abs(k - len(ids) // 2)):
+        a, b, c = texts[k], texts[k + 1], texts[k + 2]
+        if len(a) < len(b) < len(c) and full.startswith(c) and c.startswith(b) \
+                and b.startswith(a) and full.find(c[len(a):]) == len(a):
+            return c[len(a):], a
+    raise AssertionError(f"no two answer tokens to cut at in {full!r}")
+
+
+def test_shared_prefixes_and_edited_histories_answer_as_reuse_off(router, oracle,
+                                                                  tiny_model_dir):
     """Two conversations with one opening, a client that edits an earlier message, and one whose
     answer was cut by a stop string (D kept the stop string's tokens, the client resends the
     text without them: a match whose KV differs, so the pull keeps only the verified prefix)."""
@@ -132,12 +150,13 @@ def test_shared_prefixes_and_edited_histories_answer_as_reuse_off(router, oracle
     # a stop string cuts the answer
     msgs = opening(conv())
     full, _ = chat(client, msgs, None, stream=False)
-    stop = full[len(full) // 2:len(full) // 2 + 8]
+    stop, before = stop_across_two_tokens(Tokenizer.from_dir(tiny_model_dir), full,
+                                          oracle(msgs, ids=True))
     cut = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=OUT,
                                          temperature=0, stop=[stop],
                                          extra_body={"ignore_eos": True})
     answer = cut.choices[0].message.content
-    assert full.startswith(answer) and len(answer) < len(full)
+    assert answer == before and len(answer) < len(full)
     msgs += [{"role": "assistant", "content": answer}, user(3)]
     got, stats = chat(client, msgs, None, stream=True)
     assert stats["recognised"] is True and got == oracle(msgs), stats
