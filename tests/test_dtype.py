@@ -5,7 +5,11 @@ $DUPLEXKV_CPUINFO to run as if on another CPU."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,8 @@ import torch
 from duplexkv import LLM, SamplingParams
 from duplexkv.engine.config import EngineConfig
 from duplexkv.engine.dtype import (
+    AMX_FLAGS,
+    AMX_REFUSED,
     CPUINFO_ENV,
     canonical,
     parse_cpu_flags,
@@ -75,6 +81,48 @@ def test_explicit_dtypes_say_when_they_are_emulated():
     assert "emulated" not in resolve_dtype("bfloat16", parse_cpu_flags(SAPPHIRE_RAPIDS)).reason
     assert "emulated" in resolve_dtype("float16", ice).reason
     assert resolve_dtype("float32", ice).reason == "--dtype float32 as requested"
+
+
+def test_amx_listed_but_refused_runs_as_intel_without_amx():
+    refused = parse_cpu_flags(SAPPHIRE_RAPIDS) - AMX_FLAGS | {AMX_REFUSED, "vendor:GenuineIntel"}
+    choice = resolve_dtype("auto", refused)
+    assert choice.dtype == "float32" and "refused this process AMX's tile state" in choice.reason
+    asked = resolve_dtype("bfloat16", refused)
+    assert asked.dtype == "bfloat16" and "the AVX-512 BF16 kernels run instead" in asked.reason
+
+
+SMALL_SIGNAL_STACK = """
+import ctypes
+class Stack(ctypes.Structure):
+    _fields_ = [("sp", ctypes.c_void_p), ("flags", ctypes.c_int), ("size", ctypes.c_size_t)]
+buf = ctypes.create_string_buffer(8192)  # room for a signal frame without AMX's 8 KiB of tiles
+assert ctypes.CDLL(None).sigaltstack(ctypes.byref(Stack(ctypes.addressof(buf), 0, 8192)),
+                                     None) == 0
+"""
+
+
+@pytest.mark.skipif("amx_bf16" not in parse_cpu_flags(Path("/proc/cpuinfo").read_text()),
+                    reason="this CPU lists no AMX")
+@pytest.mark.parametrize("small_stack", [False, True], ids=["lent", "refused"])
+def test_auto_on_a_process_linux_refuses_amx(tiny_model_dir, small_stack):
+    """On an AMX CPU, a process with a thread whose signal stack cannot hold AMX's larger frame
+    (an 8 KiB sigaltstack, glibc's old SIGSTKSZ) is refused the tile state by Linux: the kernels
+    cannot use AMX there, so `auto` runs it as an Intel CPU without AMX (float32), and says why;
+    the same engine in a process without one runs bfloat16 on AMX."""
+    code = (SMALL_SIGNAL_STACK if small_stack else "") + (
+        "from duplexkv import LLM, SamplingParams; from duplexkv.layers import amx\n"
+        f"llm = LLM({str(tiny_model_dir)!r}, num_kv_blocks=16)\n"
+        "out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))[0]\n"
+        "print(llm.engine.config.dtype, amx.available(), len(out.token_ids))\n"
+        "print(llm.engine.dtype_reason)\n")
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                       timeout=120, env={k: v for k, v in os.environ.items() if k != CPUINFO_ENV})
+    assert r.returncode == 0, r.stderr
+    facts, reason = r.stdout.splitlines()[-2:]
+    if small_stack:
+        assert facts == "float32 False 3" and "refused this process AMX's tile state" in reason
+    else:
+        assert facts == "bfloat16 True 3" and "(amx_bf16), faster than float32" in reason
 
 
 def test_vllm_names_and_bad_values():

@@ -32,11 +32,16 @@ elsewhere. Measured, per kind of CPU:
 - No native bfloat16 (AVX2, Ice Lake): float32. Every bfloat16 matmul is converted in software,
   ~3x slower (Ice Lake, 2k prefill: 2.29 s in bfloat16 vs 0.81 s in float32).
 - Arm with the `bf16` feature (BFMMLA, Graviton 3): bfloat16 (not measured here).
-An explicit `--dtype bfloat16` is honoured anywhere. The choice is a pure function of the CPU's feature flags
-and vendor (`resolve_dtype`; the vendor as a pseudo-flag, `vendor:AuthenticAMD`), so it is tested
-for every kind of CPU on any machine; `read_cpu_flags` reads them from /proc/cpuinfo (or
-$DUPLEXKV_CPUINFO, a file in the same format, to try another CPU's flags), falling back to
+An explicit `--dtype bfloat16` is honoured anywhere. The choice is a pure function of the CPU's
+feature flags and vendor (`resolve_dtype`; the vendor as a pseudo-flag, `vendor:AuthenticAMD`), so
+it is tested for every kind of CPU on any machine; `read_cpu_flags` reads them from /proc/cpuinfo
+(or $DUPLEXKV_CPUINFO, a file in the same format, to try another CPU's flags), falling back to
 PyTorch's own CPU probes where that file does not exist (no vendor there: AMD then gets float32).
+A listed `amx_bf16` is not enough: Linux lends a process AMX's tile state only when it asks
+(`arch_prctl(ARCH_REQ_XCOMP_PERM)`, what the kernels ask before using it) and refuses when a
+thread's signal stack is too small for the larger signal frame, or a policy forbids it. Where it
+refuses, this CPU computes bf16 as one without AMX would, so `read_cpu_flags` drops the AMX flags
+and adds the pseudo-flag `amx:refused` (and `auto` picks float32 on Intel, as for Cooper Lake).
 
 vLLM's names are accepted: `half` = float16, `float` = float32. vLLM's `auto` follows the
 checkpoint's `torch_dtype`; ours follows the CPU, since on a CPU that is what decides the speed.
@@ -44,7 +49,10 @@ checkpoint's `torch_dtype`; ours follows the CPU, since on a CPU that is what de
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +66,10 @@ NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 FAST_BF16_FLAGS = ("amx_bf16", "bf16")
 AMD = "vendor:AuthenticAMD"  # parse_cpu_flags's pseudo-flag for the vendor_id line
 NATIVE_FP16_FLAGS = frozenset(("amx_fp16", "avx512_fp16", "fphp"))
+AMX_FLAGS = frozenset(("amx_bf16", "amx_tile", "amx_int8", "amx_fp16", "amx_complex"))
+AMX_REFUSED = "amx:refused"  # read_cpu_flags's pseudo-flag: AMX listed, its tile state refused
+AMX_REFUSED_WHY = ("the CPU lists amx_bf16 but Linux refused this process AMX's tile state "
+                   "(ARCH_REQ_XCOMP_PERM: a thread's signal stack too small, or a policy)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +111,8 @@ def resolve_dtype(requested: str, flags: frozenset[str] | None) -> DtypeChoice:
         reason = f"--dtype {requested} as requested"
         if flags is not None and requested == "bfloat16" and not native_bf16_flag(flags):
             reason += "; no native bfloat16 on this CPU: emulated, ~3x slower than float32"
+        elif flags is not None and requested == "bfloat16" and AMX_REFUSED in flags:
+            reason += f"; {AMX_REFUSED_WHY}: the AVX-512 BF16 kernels run instead"
         if flags is not None and requested == "float16" and not NATIVE_FP16_FLAGS & flags:
             reason += "; no native float16 on this CPU: emulated, slower than float32"
         return DtypeChoice(requested, reason)
@@ -113,6 +127,10 @@ def resolve_dtype(requested: str, flags: frozenset[str] | None) -> DtypeChoice:
         return DtypeChoice("bfloat16", "auto: AMD with avx512_bf16 (Zen 4 or later): the "
                                        "engine's AVX-512 BF16 kernels measured faster than "
                                        "float32 (prefill ~1.8x, decode 1.0-1.4x)")
+    if native_bf16_flag(flags) is not None and AMX_REFUSED in flags:
+        return DtypeChoice("float32", f"auto: {AMX_REFUSED_WHY}, so bfloat16 would run the "
+                                      "AVX-512 BF16 kernels, measured slower than float32 on "
+                                      "Intel: float32")
     if native_bf16_flag(flags) is not None:
         return DtypeChoice("float32", "auto: native bfloat16 here is avx512_bf16 on an Intel "
                                       "CPU without AMX, measured slower than float32 for this "
@@ -122,11 +140,34 @@ def resolve_dtype(requested: str, flags: frozenset[str] | None) -> DtypeChoice:
                                   "be emulated, ~3x slower)")
 
 
-def read_cpu_flags() -> frozenset[str] | None:
-    """This CPU's flags: $DUPLEXKV_CPUINFO or /proc/cpuinfo, else PyTorch's probes, else None."""
-    path = Path(os.environ.get(CPUINFO_ENV) or "/proc/cpuinfo")
+def amx_tile_state_lent() -> bool | None:
+    """Ask Linux to lend this process AMX's tile state, as native_amx.h's `dkv_amx_init` does
+    before the kernels use it (granted once, for the whole process) -> whether it did; None
+    where the question cannot be asked (not x86-64 Linux)."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return None
     try:
-        return parse_cpu_flags(path.read_text(errors="replace"))
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    return syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA
+
+
+def with_amx_permission(flags: frozenset[str]) -> frozenset[str]:
+    """This machine's `flags` as this process may use them: AMX listed but refused -> the AMX
+    flags dropped and AMX_REFUSED added."""
+    if "amx_bf16" not in flags or amx_tile_state_lent() is not False:
+        return flags
+    return (flags - AMX_FLAGS) | {AMX_REFUSED}
+
+
+def read_cpu_flags() -> frozenset[str] | None:
+    """This CPU's flags as this process may use them: $DUPLEXKV_CPUINFO (another CPU's, as
+    written) or /proc/cpuinfo (`with_amx_permission`), else PyTorch's probes, else None."""
+    override = os.environ.get(CPUINFO_ENV)
+    try:
+        flags = parse_cpu_flags(Path(override or "/proc/cpuinfo").read_text(errors="replace"))
+        return flags if override else with_amx_permission(flags)
     except OSError:
         pass
     try:  # no /proc (macOS): ask PyTorch, which probes CPUID itself
