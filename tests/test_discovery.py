@@ -511,7 +511,7 @@ def test_a_clean_stop_after_late_heartbeats_is_left_and_an_expired_key_lost(tmp)
             assert await late.heartbeat() and await dead.heartbeat()
             await watcher.poll_once()
             names = {who: pool.by_url[("decode", u)].name for who, u in urls.items()}
-            await asyncio.sleep(2.5 * HEARTBEAT)  # neither heartbeats for 2.5 beats (TTL: 3)
+            await asyncio.sleep(2.2 * HEARTBEAT)  # neither heartbeats for 2.2 beats (TTL: 3)
             await watcher.poll_once()
             assert len(pool.decode) == 2  # late, not gone: their keys live
             await late.stop()  # then one stops cleanly (deregisters)

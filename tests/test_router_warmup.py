@@ -42,10 +42,10 @@ def assert_exchange(p: VllmStub, d: VllmStub, p_calls: list[dict]) -> None:
 
 
 def test_first_turn_after_start_waits_for_the_pair_warm_up(tmp):
-    """The only pair's warm-up is slow (D takes 1.5 s to read P's block, as a slow first NIXL
+    """The only pair's warm-up is slow (D takes 3 s to read P's block, as a slow first NIXL
     handshake): a turn sent the moment the router listens waits for it, says so in kv_stats,
     and reaches P and D only after their warm-up calls."""
-    p, d = VllmStub("prefill"), VllmStub("decode", warmup_delay_s=1.5)
+    p, d = VllmStub("prefill"), VllmStub("decode", warmup_delay_s=3.0)
     r = start_router(tmp / "router.log", [p.url], [d.url], *DEFAULT_CHECKS)
     try:
         stats = chat(r, uuid.uuid4().hex)
