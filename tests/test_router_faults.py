@@ -121,10 +121,10 @@ def turn_while_hung(r, hung, what: str, healthy: float, oracle, messages, conv_i
     assert text == oracle(messages, OUT).text
     print(f"{what}: healthy turn {healthy:.2f} s, fault turn {took:.2f} s")
     assert took <= healthy + 3.0, f"{took:.1f} s (healthy {healthy:.2f} s)"
-    _wait_up(r)
+    wait_up(r)
 
 
-def _wait_up(r, timeout_s: float = 30) -> None:
+def wait_up(r, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         h = r.get("/health").json()
@@ -211,7 +211,7 @@ def _mid_stream(cluster, oracle, sig) -> None:
 
 def test_d_hung_mid_stream_is_continued_on_another_d(cluster, oracle):
     _mid_stream(cluster, oracle, signal.SIGSTOP)
-    _wait_up(cluster[3])
+    wait_up(cluster[3])
 
 
 def test_d_killed_mid_stream_is_continued_on_another_d(cluster, oracle):

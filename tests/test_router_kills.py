@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from test_router import ARGS, SYSTEM, bidi, conv, start_router, user
-from test_router_faults import _wait_up, healthy_turn
+from test_router_faults import healthy_turn, wait_up
 from workers import start_worker, stopping
 
 EXTRA_S = 2.5  # the issue's bound: ~2 s beyond a healthy turn
@@ -96,7 +96,7 @@ def test_d_hung_mid_json_answer_is_answered_by_another_d(cluster, oracle):
     """The JSON D leg is watched like a stream's: the hung D is marked down ~1.5 s in and the
     leg runs again, from P's params, on the other D (a JSON answer has sent nothing yet)."""
     _d_fails_mid_json(cluster, oracle, signal.SIGSTOP)
-    _wait_up(cluster[2])  # a health check marks it up again (it was only stopped)
+    wait_up(cluster[2])  # a health check marks it up again (it was only stopped)
 
 
 def test_d_killed_mid_json_answer_is_answered_by_another_d(cluster, oracle):
